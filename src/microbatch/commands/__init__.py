@@ -1,0 +1,1 @@
+"""Subcommands of the ``microbatch`` command line; see microbatch.cli."""

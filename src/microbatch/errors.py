@@ -1,0 +1,50 @@
+"""The errors microbatch raises for things a user can fix.
+
+Every message names the argument that is wrong and says what to do instead.
+
+    MicrobatchError                      base of everything below
+    ├── ConfigError(ValueError)          a bad argument: steps=0, items=-3, an unknown policy
+    ├── UsageError(RuntimeError)         calls in the wrong order: step() before a window's end
+    ├── WorkloadError(ValueError)        a model spec that cannot be loaded or used
+    ├── CheckpointError(ValueError)      activation checkpointing asked for something impossible
+    ├── InfeasibleBudgetError(ValueError)  no plan fits the memory budget (says the minimum)
+    └── ResumeError(RuntimeError)        a run folder or checkpoint that cannot be resumed
+"""
+
+from __future__ import annotations
+
+
+class MicrobatchError(Exception):
+    """Base class of microbatch's own errors."""
+
+
+class ConfigError(MicrobatchError, ValueError):
+    """An argument has a value microbatch cannot use."""
+
+
+class UsageError(MicrobatchError, RuntimeError):
+    """An API was called in an order that would lose or corrupt gradients."""
+
+
+class WorkloadError(MicrobatchError, ValueError):
+    """A workload (model, batches, loss) cannot be loaded or run."""
+
+
+class CheckpointError(MicrobatchError, ValueError):
+    """Activation checkpointing cannot be applied as asked."""
+
+
+class InfeasibleBudgetError(MicrobatchError, ValueError):
+    """No plan fits the memory budget.
+
+    ``minimum_bytes`` is the smallest peak any plan reaches; ``parts`` says what it is made of.
+    """
+
+    def __init__(self, message: str, *, minimum_bytes: int, parts: dict[str, int] | None = None) -> None:
+        super().__init__(message)
+        self.minimum_bytes = minimum_bytes
+        self.parts = dict(parts or {})
+
+
+class ResumeError(MicrobatchError, RuntimeError):
+    """A checkpoint or run folder cannot be resumed."""

@@ -1,0 +1,126 @@
+"""What the planner, verify and the command line need from a user's code: a Workload.
+
+A Workload bundles a model, a way to make a batch of any size, and a loss that says how many
+items (samples, tokens) it averages over. The command line loads one by a built-in name or from
+``package.module:function`` (a function that takes no arguments and returns a Workload).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import WorkloadError
+
+LossFn = Callable[[nn.Module, Any], "tuple[torch.Tensor, int | float | torch.Tensor]"]
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+
+
+@dataclass
+class Workload:
+    """A model with its data and loss.
+
+    model: the module to train.
+    make_batch: ``make_batch(b)`` returns a batch of ``b`` samples (tensor, or nested tuple/list/dict of
+        tensors with the samples along dimension 0). Successive calls may return different data.
+    loss: ``loss(model, batch) -> (loss, items)``: the loss averaged over ``items`` (samples, or tokens
+        that are not padding), and that count. The full-batch loss is the item-weighted mean.
+    optimizer: optional ``optimizer(model) -> torch.optim.Optimizer``; AdamW(lr=1e-3) when absent.
+    """
+
+    model: nn.Module
+    make_batch: Callable[[int], Any]
+    loss: LossFn
+    optimizer: OptimizerFactory | None = None
+    name: str = "workload"
+    description: str = ""
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is not None:
+            return self.optimizer(self.model)
+        return torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+
+    @property
+    def device(self) -> torch.device:
+        for parameter in self.model.parameters():
+            return parameter.device
+        return torch.device("cpu")
+
+
+def seed_linear() -> Workload:
+    """The seed documents' example: nn.Linear(16, 1), mean squared error, 32 samples."""
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = nn.Linear(16, 1)
+    inputs, targets = torch.randn(32, 16, generator=generator), torch.randn(32, 1, generator=generator)
+
+    def make_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # The seed example's 32 samples first; larger batches are drawn afresh.
+        if batch_size <= inputs.shape[0]:
+            return inputs[:batch_size], targets[:batch_size]
+        return torch.randn(batch_size, 16, generator=generator), torch.randn(batch_size, 1, generator=generator)
+
+    def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        x, y = batch
+        return nn.functional.mse_loss(model(x), y), int(x.shape[0])
+
+    return Workload(
+        model=model,
+        make_batch=make_batch,
+        loss=loss,
+        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        name="seed-linear",
+        description="nn.Linear(16, 1), MSE, 32 samples: the seed documents' example",
+    )
+
+
+# name -> "module:function" (relative to the microbatch package) and a one-line description.
+BUILTIN_WORKLOADS: dict[str, tuple[str, str]] = {
+    "seed-linear": ("microbatch.workload:seed_linear", "nn.Linear(16, 1), MSE, 32 samples (the seed example)"),
+    "lm-varlen": (
+        "microbatch.models.workloads:lm_varlen",
+        "small causal language model on variable-length padded sequences (token-mean loss)",
+    ),
+    "cnn-bn": ("microbatch.models.workloads:cnn_bn", "small CNN with BatchNorm on generated images"),
+    "gpt-mini": ("microbatch.models.workloads:gpt_mini", "built-in byte-level GPT (gpt-mini) on the stdlib corpus"),
+}
+
+
+def _call_factory(target: str, spec: str) -> Workload:
+    module_name, _, function_name = target.partition(":")
+    if not module_name or not function_name:
+        raise WorkloadError(f"workload {spec!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise WorkloadError(f"cannot import module {module_name!r} for workload {spec!r}: {error}") from error
+    factory = getattr(module, function_name, None)
+    if not callable(factory):
+        raise WorkloadError(f"module {module_name!r} has no function {function_name!r} (workload {spec!r})")
+    workload = factory()
+    if not isinstance(workload, Workload):
+        raise WorkloadError(
+            f"{spec!r} returned {type(workload).__name__}, not a microbatch.Workload; "
+            "return Workload(model=..., make_batch=..., loss=...)"
+        )
+    return workload
+
+
+def load_workload(spec: str) -> Workload:
+    """A Workload from a built-in name (see BUILTIN_WORKLOADS) or 'package.module:function'."""
+    if spec in BUILTIN_WORKLOADS:
+        return _call_factory(BUILTIN_WORKLOADS[spec][0], spec)
+    if ":" in spec:
+        return _call_factory(spec, spec)
+    close = difflib.get_close_matches(spec, list(BUILTIN_WORKLOADS), n=3)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    raise WorkloadError(
+        f"unknown workload {spec!r}.{hint} Built-in workloads: {', '.join(BUILTIN_WORKLOADS)}; "
+        "or give 'package.module:function' returning a microbatch.Workload"
+    )
