@@ -8,11 +8,18 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from .accumulate import Accumulator, Micro, WindowStats
+from .batchnorm import convert_batchnorm_to_groupnorm, corrected_momentum
 from .errors import MicrobatchError
 from .workload import Workload, load_workload
 
 __all__ = [
+    "Accumulator",
     "MicrobatchError",
+    "Micro",
+    "WindowStats",
+    "convert_batchnorm_to_groupnorm",
+    "corrected_momentum",
     "Workload",
     "__version__",
     "load_workload",

@@ -67,7 +67,9 @@ def split_batch(batch: Any, sizes: Sequence[int]) -> list[Any]:
     """Cut a batch into consecutive micro-batches with the given sample counts."""
     total = batch_size_of(batch)
     if sum(sizes) != total or any(size < 1 for size in sizes):
-        raise ConfigError(f"micro-batch sizes {list(sizes)} must be positive and add up to the batch size {total}")
+        raise ConfigError(
+            f"micro-batch sizes {list(sizes)} must be positive and add up to the batch size {total}"
+        )
     pieces, start = [], 0
     for size in sizes:
         pieces.append(slice_batch(batch, start, start + size))

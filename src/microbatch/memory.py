@@ -38,7 +38,9 @@ def device_memory_bytes(device: torch.device | str | None = None) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def parse_bytes(size: str | int | float, *, device: torch.device | str | None = None, name: str = "memory") -> int:
+def parse_bytes(
+    size: str | int | float, *, device: torch.device | str | None = None, name: str = "memory"
+) -> int:
     """Bytes from "8GiB", "300MiB", "1.5G" (SI: G = 10^9, GiB = 2^30), an int, or a fraction in (0, 1].
 
     A float in (0, 1] (or such a string, "0.8") means that fraction of ``device``'s memory.
@@ -65,7 +67,9 @@ def parse_bytes(size: str | int | float, *, device: torch.device | str | None = 
     elif isinstance(size, int):
         value = size
     else:
-        raise ConfigError(f"{name} must be a size like '8GiB' or a number of bytes, got {type(size).__name__}")
+        raise ConfigError(
+            f"{name} must be a size like '8GiB' or a number of bytes, got {type(size).__name__}"
+        )
     if value < 1:
         raise ConfigError(f"{name} must be at least one byte, got {size!r}")
     return int(value)

@@ -64,7 +64,9 @@ def seed_linear() -> Workload:
         # The seed example's 32 samples first; larger batches are drawn afresh.
         if batch_size <= inputs.shape[0]:
             return inputs[:batch_size], targets[:batch_size]
-        return torch.randn(batch_size, 16, generator=generator), torch.randn(batch_size, 1, generator=generator)
+        return torch.randn(batch_size, 16, generator=generator), torch.randn(
+            batch_size, 1, generator=generator
+        )
 
     def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
         x, y = batch
@@ -82,13 +84,19 @@ def seed_linear() -> Workload:
 
 # name -> "module:function" (relative to the microbatch package) and a one-line description.
 BUILTIN_WORKLOADS: dict[str, tuple[str, str]] = {
-    "seed-linear": ("microbatch.workload:seed_linear", "nn.Linear(16, 1), MSE, 32 samples (the seed example)"),
+    "seed-linear": (
+        "microbatch.workload:seed_linear",
+        "nn.Linear(16, 1), MSE, 32 samples (the seed example)",
+    ),
     "lm-varlen": (
         "microbatch.models.workloads:lm_varlen",
         "small causal language model on variable-length padded sequences (token-mean loss)",
     ),
     "cnn-bn": ("microbatch.models.workloads:cnn_bn", "small CNN with BatchNorm on generated images"),
-    "gpt-mini": ("microbatch.models.workloads:gpt_mini", "built-in byte-level GPT (gpt-mini) on the stdlib corpus"),
+    "gpt-mini": (
+        "microbatch.models.workloads:gpt_mini",
+        "built-in byte-level GPT (gpt-mini) on the stdlib corpus",
+    ),
 }
 
 

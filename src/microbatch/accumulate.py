@@ -1,0 +1,438 @@
+"""Exact gradient accumulation: the window gradient equals the full batch's.
+
+For a window of micro-batches i (on every rank r) whose losses are means over items_ri items
+(samples, or tokens that are not padding), the full batch's mean loss is
+
+    L = sum_ri(items_ri * loss_ri) / T,        T = sum_ri(items_ri)
+
+so its gradient is sum_ri(items_ri * grad(loss_ri)) / T. The window is not fetched ahead of time,
+so T is unknown while the backwards run. Each backward therefore adds items_ri / R * grad(loss_ri)
+into .grad, where R is a reference count fixed at the window's first backward (an estimate of the
+per-rank window total, so the weighted loss keeps the magnitude of a plain mean: safe for fp16 and
+GradScaler). At step(), once T is known (summed over ranks in one all_reduce), the gradients are
+multiplied once by R * W_avg / T, where W_avg is the world size when DDP / FSDP2 averaged the
+gradients over ranks (and 1 otherwise). The result is exact up to one rounding per element.
+
+Order inside step(), which is what the full-batch step would do:
+GradScaler unscale (once) -> normalise -> clip (once, on the accumulated gradient) ->
+optimizer step (skipped on a non-finite gradient) -> scheduler step (only when the optimizer
+stepped) -> zero_grad(set_to_none=True).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import distributed
+from .batching import batch_size_of
+from .batchnorm import batchnorm_layers, corrected_momentum
+from .errors import ConfigError, UsageError
+
+logger = logging.getLogger(__name__)
+
+StepsSchedule = int | Sequence[int] | Callable[[int], int]
+
+
+@dataclass(frozen=True)
+class Micro:
+    """One micro-batch handed out by ``Accumulator.iterate``.
+
+    ``index`` counts micro-batches within the window (from 0), ``steps`` is the window's planned
+    length, and ``is_last`` is True for the window's last micro-batch, also when the data ends early.
+    """
+
+    batch: Any
+    index: int
+    window: int
+    steps: int
+    is_last: bool
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """What one optimizer step saw.
+
+    loss: the item-weighted mean loss of the window (the full batch's loss), over all ranks.
+    items: the window's item count over all ranks. grad_norm: the total gradient norm before
+    clipping. lr: the learning rate the step used (first parameter group). skipped: True when a
+    non-finite gradient made the step be skipped (parameters, scheduler untouched).
+    """
+
+    loss: float
+    items: int
+    grad_norm: float
+    lr: float
+    skipped: bool
+    window: int
+    micro_batches: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        flag = " (skipped: non-finite gradient)" if self.skipped else ""
+        return (
+            f"window {self.window}: loss {self.loss:.6g} over {self.items} items in {self.micro_batches} "
+            f"micro-batches, grad norm {self.grad_norm:.4g}, lr {self.lr:.4g}{flag}"
+        )
+
+
+def _validate_steps_value(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(
+            f"{where} must be an integer >= 1 (micro-batches per optimizer step), got {value!r}"
+        )
+    if value < 1:
+        raise ConfigError(f"{where} must be >= 1 (micro-batches per optimizer step), got {value}")
+    return value
+
+
+def _validate_items(items: object) -> float:
+    if isinstance(items, bool):
+        raise ConfigError(f"items must be a positive count of samples or tokens, got {items!r}")
+    if isinstance(items, torch.Tensor):
+        if items.numel() != 1:
+            raise ConfigError(f"items must be a single count, got a tensor of shape {tuple(items.shape)}")
+        value = float(items.item())
+    elif isinstance(items, (int, float)):
+        value = float(items)
+    else:
+        raise ConfigError(f"items must be an int or a one-element tensor, got {type(items).__name__}")
+    if not math.isfinite(value):
+        raise ConfigError(f"items must be finite, got {value}")
+    if value <= 0:
+        raise ConfigError(
+            f"items must be > 0, got {value:g}: a micro-batch with no items (all padding) has no loss; "
+            "skip it in the data, or pass its loss summed with items=1"
+        )
+    if value != int(value):
+        raise ConfigError(f"items counts samples or tokens and must be a whole number, got {value}")
+    return value
+
+
+class Accumulator:
+    """Gradient accumulation whose window gradient equals the full-batch gradient.
+
+    ``steps`` is the number of micro-batches per optimizer step: an int, a sequence (one entry per
+    window; the last entry repeats), or a callable ``window_index -> steps`` (accumulation warmup).
+    ``scheduler`` steps once per optimizer step that was taken; ``max_grad_norm`` clips once, on the
+    accumulated and unscaled gradient; ``scaler`` (torch.amp.GradScaler) scales each backward and
+    unscales once per window. ``sync_every_micro_batch`` keeps DDP / FSDP2 gradient sync on for every
+    micro-batch (less memory, more communication). ``correct_batchnorm_momentum`` sets each
+    BatchNorm's momentum so a window of N micro-batches decays its running statistics like one update.
+    """
+
+    # Window state, reset by _reset_window() after every step().
+    _items: float
+    _loss_sum: torch.Tensor | float
+    _micro_batches: int
+    _reference_items: float
+    _awaiting_step: bool
+    _current: Micro | None
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        steps: StepsSchedule = 1,
+        *,
+        scheduler: Any = None,
+        max_grad_norm: float | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        sync_every_micro_batch: bool = False,
+        correct_batchnorm_momentum: bool = False,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(steps, (int, bool)):
+            _validate_steps_value(steps, "steps")
+        elif isinstance(steps, Sequence):
+            if len(steps) == 0:
+                raise ConfigError("steps as a sequence must have at least one entry")
+            for i, value in enumerate(steps):
+                _validate_steps_value(value, f"steps[{i}]")
+        elif not callable(steps):
+            raise ConfigError(
+                f"steps must be an int, a sequence of ints or a callable, got {type(steps).__name__}"
+            )
+        if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+            raise ConfigError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm}")
+
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.max_grad_norm = max_grad_norm
+        self.scaler = scaler
+        self.sync_every_micro_batch = sync_every_micro_batch
+        self._steps = steps
+
+        model_params = list(model.parameters())
+        known = {id(p) for p in model_params}
+        foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in known]
+        if foreign:
+            logger.warning(
+                "the optimizer holds %d parameter(s) that are not in the model; they are stepped but "
+                "their gradients are not produced by this model (check that model and optimizer match)",
+                len(foreign),
+            )
+        # Every parameter whose gradient this accumulator normalises and clears.
+        self._params: list[nn.Parameter] = model_params + foreign
+
+        self._batchnorm = batchnorm_layers(model)
+        self._batchnorm_momentum = {name: layer.momentum for name, layer in self._batchnorm}
+        self._correct_batchnorm = correct_batchnorm_momentum
+        self._warned_batchnorm = False
+
+        self.window = 0  # index of the window in progress (= optimizer steps taken or skipped)
+        self._items_per_micro: float | None = None  # running estimate, for the reference count R
+        self._reset_window()
+
+    # ----------------------------------------------------------------- schedule
+    def steps_for(self, window: int) -> int:
+        """Planned micro-batches in window ``window``."""
+        if isinstance(self._steps, int):
+            return self._steps
+        if isinstance(self._steps, Sequence):
+            return self._steps[min(window, len(self._steps) - 1)]
+        return _validate_steps_value(self._steps(window), f"steps({window})")
+
+    # ----------------------------------------------------------------- iteration
+    def iterate(self, loader: Iterable[Any]) -> Iterator[Micro]:
+        """Yield micro-batches with window positions, looking one ahead to know each window's last.
+
+        The body of the user's loop (forward and backward) runs inside this generator's gradient
+        sync context: no DDP / FSDP2 sync except on a window's last micro-batch.
+        """
+        self._require_window_boundary("iterate()")
+        iterator = iter(loader)
+        try:
+            upcoming = next(iterator)
+        except StopIteration:
+            raise ConfigError(
+                "the loader given to iterate() is empty: it produced no micro-batches"
+            ) from None
+        exhausted = False
+        while not exhausted:
+            window = self.window
+            steps = self.steps_for(window)
+            self._prepare_batchnorm(steps)
+            for index in range(steps):
+                batch = upcoming
+                try:
+                    upcoming = next(iterator)
+                except StopIteration:
+                    exhausted = True
+                is_last = exhausted or index == steps - 1
+                micro = Micro(batch=batch, index=index, window=window, steps=steps, is_last=is_last)
+                self._current = micro
+                try:
+                    with distributed.gradient_sync(
+                        self.model, enabled=is_last or self.sync_every_micro_batch
+                    ):
+                        yield micro
+                finally:
+                    self._current = None
+                if is_last:
+                    break
+            if self.window == window:
+                raise UsageError(
+                    f"window {window} ended (micro.is_last was True) but step() was not called; "
+                    "call acc.step() when micro.is_last"
+                )
+
+    def _prepare_batchnorm(self, steps: int) -> None:
+        if not self._batchnorm:
+            return
+        training = [name for name, layer in self._batchnorm if layer.training]
+        if steps > 1 and training and not self._warned_batchnorm:
+            self._warned_batchnorm = True
+            logger.warning(
+                "%d BatchNorm layer(s) (%s) train with %d micro-batches per step: each micro-batch is "
+                "normalised with its own statistics, so gradients differ from the full batch's. Use "
+                "larger micro-batches, convert with microbatch.convert_batchnorm_to_groupnorm(model), "
+                "or freeze them (eval mode); correct_batchnorm_momentum=True makes the running "
+                "statistics decay once per window.",
+                len(training),
+                ", ".join(training[:3]) + ("..." if len(training) > 3 else ""),
+                steps,
+            )
+        if self._correct_batchnorm:
+            for name, layer in self._batchnorm:
+                momentum = self._batchnorm_momentum[name]
+                if momentum is not None:
+                    layer.momentum = corrected_momentum(momentum, steps)
+
+    # ----------------------------------------------------------------- backward
+    def backward(self, loss: torch.Tensor, *, items: int | float | torch.Tensor | None = None) -> None:
+        """Add ``items / R * grad(loss)`` to the gradients; ``loss`` is a mean over ``items`` items.
+
+        Without ``items`` the micro-batch weighs by its batch size (its first tensor's first
+        dimension), so short micro-batches and a short last window stay exact.
+        """
+        if self._awaiting_step:
+            raise UsageError(
+                "backward() after the window's last micro-batch: call step() first "
+                f"(window {self.window} already has {self._micro_batches} micro-batches)"
+            )
+        if not isinstance(loss, torch.Tensor):
+            raise ConfigError(f"loss must be a torch.Tensor, got {type(loss).__name__}")
+        if loss.numel() != 1:
+            raise ConfigError(
+                "loss must be a scalar (a mean over the micro-batch's items), got shape "
+                f"{tuple(loss.shape)}; reduce it with .mean() and pass items="
+            )
+        if not loss.requires_grad:
+            raise ConfigError(
+                "loss does not require grad: it was computed under torch.no_grad(), from a detached "
+                "tensor, or from a model whose parameters are all frozen"
+            )
+        if items is None:
+            if self._current is None:
+                raise ConfigError(
+                    "backward() without items= needs the micro-batch from acc.iterate(loader); "
+                    "pass items= (samples or tokens the loss averages over)"
+                )
+            items_value = float(batch_size_of(self._current.batch))
+        else:
+            items_value = _validate_items(items)
+
+        if self._micro_batches == 0:
+            self._reference_items = self._reference_count(items_value)
+        weighted = loss.reshape(()) * (items_value / self._reference_items)
+        if self.scaler is not None:
+            weighted = self.scaler.scale(weighted)
+        weighted.backward()
+
+        self._items += items_value
+        self._loss_sum = self._loss_sum + loss.detach().reshape(()).double() * items_value
+        self._micro_batches += 1
+        if self._current is not None:
+            self._awaiting_step = self._current.is_last
+        else:
+            self._awaiting_step = self._micro_batches >= self.steps_for(self.window)
+
+    def _reference_count(self, first_items: float) -> float:
+        """R: an estimate of this rank's window total, identical on all ranks (see module docstring)."""
+        steps = self.steps_for(self.window)
+        if self._items_per_micro is not None:
+            return max(self._items_per_micro * steps, 1.0)
+        estimate = first_items * steps
+        if distributed.data_parallel_kind(self.model) is not None:
+            # Averaged gradients must be weighted alike on every rank: agree once, on the first window.
+            (estimate,) = distributed.all_reduce_values([estimate], op="max")
+        return estimate
+
+    # ----------------------------------------------------------------- step
+    def step(self, *, partial: bool = False) -> WindowStats:
+        """Finish the window: unscale, normalise, clip, step, schedule, zero. See the module docstring.
+
+        Call it on a window's last micro-batch (``micro.is_last``). ``partial=True`` ends a window
+        early when not using iterate() (the data ran out); it stays exact.
+        """
+        if self._micro_batches == 0:
+            raise UsageError("step() with no backward() in this window: there is no gradient to apply")
+        if not self._awaiting_step and not partial:
+            raise UsageError(
+                f"step() before the window's last micro-batch ({self._micro_batches} of "
+                f"{self.steps_for(self.window)} done); call it when micro.is_last, or pass partial=True "
+                "to end the window early"
+            )
+        parallel = distributed.data_parallel_kind(self.model)
+        if parallel is not None:
+            total_items, loss_sum = distributed.all_reduce_values([self._items, float(self._loss_sum)])
+            averaged_over = distributed.world_size()
+        else:
+            total_items, loss_sum = self._items, float(self._loss_sum)
+            averaged_over = 1
+
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        grads = [p.grad for p in self._params if p.grad is not None]
+        factor = self._reference_items * averaged_over / total_items
+        if grads and factor != 1.0:
+            torch._foreach_mul_(grads, factor)
+        grad_norm = self._clip_and_norm()
+
+        skipped = not math.isfinite(grad_norm)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skips by itself when unscale_ found inf/nan
+            self.scaler.update()
+        elif not skipped:
+            self.optimizer.step()
+        else:
+            logger.warning(
+                "window %d: non-finite gradient norm (%s); optimizer step skipped", self.window, grad_norm
+            )
+        if not skipped and self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self._params:
+            p.grad = None
+
+        stats = WindowStats(
+            loss=loss_sum / total_items,
+            items=round(total_items),
+            grad_norm=grad_norm,
+            lr=lr,
+            skipped=skipped,
+            window=self.window,
+            micro_batches=self._micro_batches,
+        )
+        self._items_per_micro = total_items / averaged_over / self._micro_batches
+        self.window += 1
+        self._reset_window()
+        return stats
+
+    def _clip_and_norm(self) -> float:
+        params = [p for p in self._params if p.grad is not None]
+        if not params:
+            return 0.0
+        if self.max_grad_norm is not None:
+            norm = nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=True)
+        else:
+            norm = nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # type: ignore[misc]
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor norm
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _reset_window(self) -> None:
+        self._items = 0.0
+        self._loss_sum = 0.0
+        self._micro_batches = 0
+        self._reference_items = 1.0
+        self._awaiting_step = False
+        self._current = None
+
+    def _require_window_boundary(self, what: str) -> None:
+        if self._micro_batches:
+            raise UsageError(
+                f"{what} in the middle of window {self.window} ({self._micro_batches} micro-batches done); "
+                "finish the window with step() first"
+            )
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Resumable state at a window boundary (save model, optimizer, scheduler, scaler alongside)."""
+        self._require_window_boundary("state_dict()")
+        return {"version": 1, "window": self.window, "items_per_micro": self._items_per_micro}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._require_window_boundary("load_state_dict()")
+        if not isinstance(state, dict) or state.get("version") != 1 or "window" not in state:
+            raise ConfigError("not an Accumulator state_dict (expected keys 'version' = 1 and 'window')")
+        self.window = int(state["window"])
+        self._items_per_micro = state.get("items_per_micro")

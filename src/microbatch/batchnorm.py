@@ -1,0 +1,54 @@
+"""BatchNorm under gradient accumulation.
+
+BatchNorm normalises each micro-batch with its own statistics, so accumulated gradients differ
+from the full batch's (nothing but a larger micro-batch or another norm fixes that), and its
+running statistics receive N updates per optimizer step instead of one. With momentum m, one
+update decays the old running statistic by (1 - m); N updates with momentum m' decay it by
+(1 - m')^N. Choosing m' = 1 - (1 - m)^(1/N) makes the decay per window exactly (1 - m).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .errors import ConfigError
+
+_BATCHNORM = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
+
+
+def batchnorm_layers(model: nn.Module) -> list[tuple[str, nn.modules.batchnorm._BatchNorm]]:
+    """(name, layer) of every BatchNorm layer in the model."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, _BATCHNORM)]
+
+
+def corrected_momentum(momentum: float, steps: int) -> float:
+    """Per-micro-batch momentum: ``steps`` updates decay old statistics as one update with ``momentum``."""
+    if not 0.0 <= momentum <= 1.0:
+        raise ConfigError(f"momentum must be in [0, 1], got {momentum}")
+    if steps < 1:
+        raise ConfigError(f"steps must be >= 1, got {steps}")
+    return 1.0 - float((1.0 - momentum) ** (1.0 / steps))
+
+
+def convert_batchnorm_to_groupnorm(model: nn.Module, *, max_groups: int = 32) -> nn.Module:
+    """Replace every BatchNorm2d/1d/3d by a GroupNorm (in place), returning the model.
+
+    GroupNorm normalises each sample on its own, so accumulated gradients equal the full batch's.
+    The number of groups is the largest divisor of the channel count that is <= ``max_groups``;
+    affine weights are carried over.
+    """
+    if max_groups < 1:
+        raise ConfigError(f"max_groups must be >= 1, got {max_groups}")
+    for name, child in list(model.named_children()):
+        if isinstance(child, _BATCHNORM):
+            channels = child.num_features
+            groups = max(g for g in range(1, min(max_groups, channels) + 1) if channels % g == 0)
+            norm = nn.GroupNorm(groups, channels, eps=child.eps, affine=child.affine)
+            if child.affine:
+                norm.weight.data.copy_(child.weight.data)
+                norm.bias.data.copy_(child.bias.data)
+            norm.to(device=child.weight.device if child.affine else None)
+            setattr(model, name, norm)
+        else:
+            convert_batchnorm_to_groupnorm(child, max_groups=max_groups)
+    return model
