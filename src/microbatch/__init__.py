@@ -8,19 +8,33 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from . import distributed, schedules
 from .accumulate import Accumulator, Micro, WindowStats
 from .batchnorm import convert_batchnorm_to_groupnorm, corrected_momentum
+from .checkpoint import CheckpointHandle, checkpoint, find_blocks
 from .errors import MicrobatchError
+from .memory import MemoryTracker, format_bytes, parse_bytes
+from .verify import VerifyReport, verify
 from .workload import Workload, load_workload
 
 __all__ = [
     "Accumulator",
+    "CheckpointHandle",
+    "MemoryTracker",
     "MicrobatchError",
     "Micro",
+    "VerifyReport",
     "WindowStats",
-    "convert_batchnorm_to_groupnorm",
-    "corrected_momentum",
     "Workload",
     "__version__",
+    "checkpoint",
+    "convert_batchnorm_to_groupnorm",
+    "corrected_momentum",
+    "distributed",
+    "find_blocks",
+    "format_bytes",
     "load_workload",
+    "parse_bytes",
+    "schedules",
+    "verify",
 ]

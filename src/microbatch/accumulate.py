@@ -13,6 +13,13 @@ GradScaler). At step(), once T is known (summed over ranks in one all_reduce), t
 multiplied once by R * W_avg / T, where W_avg is the world size when DDP / FSDP2 averaged the
 gradients over ranks (and 1 otherwise). The result is exact up to one rounding per element.
 
+Across data-parallel ranks (DDP, FSDP2) every rank must run the same number of micro-batches per
+window, or the gradient collectives would pair up wrongly or hang. iterate() agrees on each window's
+length: after every micro-batch but a window's last, one all_reduce of one number (how many ranks
+have another micro-batch); at the window's last, that number rides in step()'s all_reduce. A rank
+whose data runs out first repeats its last micro-batch with weight 0 (Micro.is_padding) until the
+others finish, so every collective is matched and the gradient stays exact.
+
 Order inside step(), which is what the full-batch step would do:
 GradScaler unscale (once) -> normalise -> clip (once, on the accumulated gradient) ->
 optimizer step (skipped on a non-finite gradient) -> scheduler step (only when the optimizer
@@ -46,6 +53,9 @@ class Micro:
 
     ``index`` counts micro-batches within the window (from 0), ``steps`` is the window's planned
     length, and ``is_last`` is True for the window's last micro-batch, also when the data ends early.
+    ``is_padding`` is True only in data-parallel runs, on a rank whose data ran out before the
+    others': ``batch`` repeats its last micro-batch, and backward() gives it weight 0 (run forward
+    and backward as usual, so the ranks' collectives stay matched; skip it in your own metrics).
     """
 
     batch: Any
@@ -53,6 +63,7 @@ class Micro:
     window: int
     steps: int
     is_last: bool
+    is_padding: bool = False
 
     @property
     def is_first(self) -> bool:
@@ -121,6 +132,14 @@ def _validate_items(items: object) -> float:
     return value
 
 
+def _next_or_none(iterator: Iterator[Any]) -> tuple[Any, bool]:
+    """The iterator's next item and True, or (None, False) once it is exhausted."""
+    try:
+        return next(iterator), True
+    except StopIteration:
+        return None, False
+
+
 class Accumulator:
     """Gradient accumulation whose window gradient equals the full-batch gradient.
 
@@ -128,8 +147,10 @@ class Accumulator:
     window; the last entry repeats), or a callable ``window_index -> steps`` (accumulation warmup).
     ``scheduler`` steps once per optimizer step that was taken; ``max_grad_norm`` clips once, on the
     accumulated and unscaled gradient; ``scaler`` (torch.amp.GradScaler) scales each backward and
-    unscales once per window. ``sync_every_micro_batch`` keeps DDP / FSDP2 gradient sync on for every
-    micro-batch (less memory, more communication). ``correct_batchnorm_momentum`` sets each
+    unscales once per window. For data parallelism pass the wrapped model (the
+    DistributedDataParallel module itself, or the fully_shard root): gradient sync then runs only on
+    a window's last micro-batch, or on every one with ``sync_every_micro_batch`` (less memory, more
+    communication). ``correct_batchnorm_momentum`` sets each
     BatchNorm's momentum so a window of N micro-batches decays its running statistics like one update.
     """
 
@@ -178,6 +199,16 @@ class Accumulator:
         self.scaler = scaler
         self.sync_every_micro_batch = sync_every_micro_batch
         self._steps = steps
+        self._data_parallel = distributed.data_parallel_kind(model)
+        if self._data_parallel is None and distributed.world_size() > 1:
+            distributed.log_rank_zero(
+                logger,
+                logging.WARNING,
+                "torch.distributed runs %d ranks but the model given to Accumulator is neither "
+                "DistributedDataParallel nor sharded with fully_shard: gradients and item counts stay "
+                "local to each rank. Pass the wrapped model (the DDP module itself).",
+                distributed.world_size(),
+            )
 
         model_params = list(model.parameters())
         known = {id(p) for p in model_params}
@@ -198,6 +229,8 @@ class Accumulator:
 
         self.window = 0  # index of the window in progress (= optimizer steps taken or skipped)
         self._items_per_micro: float | None = None  # running estimate, for the reference count R
+        self._has_more_local = False  # set by iterate(): this rank has another micro-batch
+        self._ranks_with_more = 0.0  # set by step(): how many ranks have another micro-batch
         self._reset_window()
 
     # ----------------------------------------------------------------- schedule
@@ -213,45 +246,80 @@ class Accumulator:
     def iterate(self, loader: Iterable[Any]) -> Iterator[Micro]:
         """Yield micro-batches with window positions, looking one ahead to know each window's last.
 
-        The body of the user's loop (forward and backward) runs inside this generator's gradient
-        sync context: no DDP / FSDP2 sync except on a window's last micro-batch.
+        The body of the user's loop (forward and backward) runs inside this generator's DDP sync
+        context: no DDP all-reduce except on a window's last micro-batch (FSDP2's flag is set in
+        backward()). Data-parallel ranks agree on each window's length; see the module docstring.
         """
         self._require_window_boundary("iterate()")
+        world = distributed.world_size()
+        agree = self._data_parallel is not None and world > 1
         iterator = iter(loader)
-        try:
-            upcoming = next(iterator)
-        except StopIteration:
-            raise ConfigError(
-                "the loader given to iterate() is empty: it produced no micro-batches"
-            ) from None
-        exhausted = False
-        while not exhausted:
+        upcoming, has_upcoming = _next_or_none(iterator)
+        if agree:
+            (ranks_with_data,) = distributed.all_reduce_values([float(has_upcoming)])
+            if ranks_with_data < world:  # raised on every rank, so none waits for the others
+                raise ConfigError(
+                    f"the loader given to iterate() is empty on {world - round(ranks_with_data)} of "
+                    f"{world} rank(s): every rank needs at least one micro-batch"
+                )
+        elif not has_upcoming:
+            raise ConfigError("the loader given to iterate() is empty: it produced no micro-batches")
+        last_batch = upcoming
+        warned = False
+        more = True
+        while more:
             window = self.window
             steps = self.steps_for(window)
             self._prepare_batchnorm(steps)
             for index in range(steps):
-                batch = upcoming
-                try:
-                    upcoming = next(iterator)
-                except StopIteration:
-                    exhausted = True
-                is_last = exhausted or index == steps - 1
-                micro = Micro(batch=batch, index=index, window=window, steps=steps, is_last=is_last)
+                padding = not has_upcoming
+                batch = last_batch if padding else upcoming
+                last_batch = batch
+                if has_upcoming:
+                    upcoming, has_upcoming = _next_or_none(iterator)
+                at_window_end = index == steps - 1
+                ranks_with_more = float(has_upcoming)
+                if agree and not at_window_end:  # at the window's end step() carries the count
+                    (ranks_with_more,) = distributed.all_reduce_values([ranks_with_more])
+                is_last = at_window_end or ranks_with_more == 0
+                micro = Micro(
+                    batch=batch, index=index, window=window, steps=steps, is_last=is_last, is_padding=padding
+                )
                 self._current = micro
+                self._has_more_local = has_upcoming
                 try:
-                    with distributed.gradient_sync(
-                        self.model, enabled=is_last or self.sync_every_micro_batch
-                    ):
+                    with distributed.ddp_sync(self.model, enabled=is_last or self.sync_every_micro_batch):
                         yield micro
                 finally:
                     self._current = None
                 if is_last:
+                    if agree and at_window_end and self.window != window:
+                        ranks_with_more = self._ranks_with_more
                     break
+                if not warned and agree and 0 < ranks_with_more < world:
+                    warned = True
+                    self._warn_uneven(ranks_with_more, world, window)
             if self.window == window:
                 raise UsageError(
                     f"window {window} ended (micro.is_last was True) but step() was not called; "
                     "call acc.step() when micro.is_last"
                 )
+            more = ranks_with_more > 0
+            if not warned and agree and 0 < ranks_with_more < world:
+                warned = True
+                self._warn_uneven(ranks_with_more, world, window)
+
+    def _warn_uneven(self, ranks_with_more: float, world: int, window: int) -> None:
+        distributed.log_rank_zero(
+            logger,
+            logging.WARNING,
+            "the data ran out on %d of %d ranks in window %d: they repeat their last micro-batch with "
+            "weight 0 (Micro.is_padding) until the other ranks finish, so the gradient stays exact; "
+            "shard the data evenly (DistributedSampler) to avoid this idle compute",
+            world - round(ranks_with_more),
+            world,
+            window,
+        )
 
     def _prepare_batchnorm(self, steps: int) -> None:
         if not self._batchnorm:
@@ -299,6 +367,7 @@ class Accumulator:
                 "loss does not require grad: it was computed under torch.no_grad(), from a detached "
                 "tensor, or from a model whose parameters are all frozen"
             )
+        padding = self._current is not None and self._current.is_padding
         if items is None:
             if self._current is None:
                 raise ConfigError(
@@ -309,15 +378,26 @@ class Accumulator:
         else:
             items_value = _validate_items(items)
 
+        if padding:
+            items_value = 0.0  # a repeated micro-batch that only keeps this rank in step
+
         if self._micro_batches == 0:
             self._reference_items = self._reference_count(items_value)
         weighted = loss.reshape(()) * (items_value / self._reference_items)
         if self.scaler is not None:
             weighted = self.scaler.scale(weighted)
-        weighted.backward()
+        # FSDP2 reduce-scatters in this backward only on a window's last micro-batch (or always when
+        # asked, or outside iterate(), where the window's end is not known in advance).
+        sync = self._current is None or self._current.is_last or self.sync_every_micro_batch
+        if self._data_parallel == "fsdp":
+            with distributed.fsdp_sync(self.model, enabled=sync):
+                weighted.backward()
+        else:
+            weighted.backward()
 
-        self._items += items_value
-        self._loss_sum = self._loss_sum + loss.detach().reshape(()).double() * items_value
+        if not padding:
+            self._items += items_value
+            self._loss_sum = self._loss_sum + loss.detach().reshape(()).double() * items_value
         self._micro_batches += 1
         if self._current is not None:
             self._awaiting_step = self._current.is_last
@@ -330,10 +410,10 @@ class Accumulator:
         if self._items_per_micro is not None:
             return max(self._items_per_micro * steps, 1.0)
         estimate = first_items * steps
-        if distributed.data_parallel_kind(self.model) is not None:
+        if self._data_parallel is not None:
             # Averaged gradients must be weighted alike on every rank: agree once, on the first window.
             (estimate,) = distributed.all_reduce_values([estimate], op="max")
-        return estimate
+        return max(estimate, 1.0)
 
     # ----------------------------------------------------------------- step
     def step(self, *, partial: bool = False) -> WindowStats:
@@ -350,13 +430,18 @@ class Accumulator:
                 f"{self.steps_for(self.window)} done); call it when micro.is_last, or pass partial=True "
                 "to end the window early"
             )
-        parallel = distributed.data_parallel_kind(self.model)
-        if parallel is not None:
-            total_items, loss_sum = distributed.all_reduce_values([self._items, float(self._loss_sum)])
-            averaged_over = distributed.world_size()
+        local = [self._items, float(self._loss_sum), float(self._micro_batches), float(self._has_more_local)]
+        if self._data_parallel is not None:
+            # One all_reduce per window: global items T, loss sum, micro-batches, ranks with more data.
+            total_items, loss_sum, total_micro_batches, self._ranks_with_more = distributed.all_reduce_values(
+                local
+            )
+            averaged_over = distributed.world_size()  # DDP and FSDP2 divide the summed gradient by W
         else:
-            total_items, loss_sum = self._items, float(self._loss_sum)
+            total_items, loss_sum, total_micro_batches, self._ranks_with_more = local
             averaged_over = 1
+        if total_items <= 0:
+            raise UsageError("step() on a window without items on any rank: there is no gradient to apply")
 
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
@@ -392,7 +477,8 @@ class Accumulator:
             window=self.window,
             micro_batches=self._micro_batches,
         )
-        self._items_per_micro = total_items / averaged_over / self._micro_batches
+        # Summed over ranks, so every rank derives the same reference count R for later windows.
+        self._items_per_micro = total_items / total_micro_batches
         self.window += 1
         self._reset_window()
         return stats

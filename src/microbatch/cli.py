@@ -13,7 +13,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from . import __version__
+from . import __version__, distributed
 from .errors import MicrobatchError
 
 # name -> one-line help; the module is microbatch.commands.<name>
@@ -41,9 +41,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _CurrentStderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time of each record (tests swap it)."""
+
+    @property
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
+
+
 def _configure_logging(verbose: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _CurrentStderrHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(distributed.RankZeroFilter())  # under torchrun only rank 0 speaks
     package_logger = logging.getLogger("microbatch")
     package_logger.handlers[:] = [handler]
     package_logger.setLevel(logging.DEBUG if verbose else logging.INFO)

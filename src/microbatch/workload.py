@@ -54,19 +54,22 @@ class Workload:
 
 
 def seed_linear() -> Workload:
-    """The seed documents' example: nn.Linear(16, 1), mean squared error, 32 samples."""
-    generator = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    model = nn.Linear(16, 1)
-    inputs, targets = torch.randn(32, 16, generator=generator), torch.randn(32, 1, generator=generator)
+    """The seed documents' example: nn.Linear(16, 1), mean squared error, 32 samples.
+
+    The model and the 32 samples are drawn exactly as the seed code draws them (torch.manual_seed(0),
+    then the layer, then x and y), inside fork_rng so the caller's random state is left alone.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Linear(16, 1)
+        inputs, targets = torch.randn(32, 16), torch.randn(32, 1)
+    generator = torch.Generator().manual_seed(1)
 
     def make_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         # The seed example's 32 samples first; larger batches are drawn afresh.
         if batch_size <= inputs.shape[0]:
             return inputs[:batch_size], targets[:batch_size]
-        return torch.randn(batch_size, 16, generator=generator), torch.randn(
-            batch_size, 1, generator=generator
-        )
+        return torch.randn(batch_size, 16, generator=generator), torch.randn(batch_size, 1, generator=generator)
 
     def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
         x, y = batch

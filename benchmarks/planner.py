@@ -1,0 +1,408 @@
+"""Planner: the plan's measured time per optimizer step against the usual ways to fit a batch.
+
+On the built-in GPT, for budgets swept from the least any plan needs to the peak of one
+no-checkpoint micro-batch of the whole batch, each configuration trains full windows of exactly
+B samples (uneven last micro-batch where needed) and is timed:
+
+    plan   mb.plan(workload, batch=B, memory=M): its micro-batch, steps and per-block policies
+    (a)    no checkpointing, the largest micro-batch that fits, found as Accelerate's
+           find_executable_batch_size does: start at B, x0.9 after each failure
+    (b)    every block checkpointed (full; HF gradient_checkpointing), largest micro-batch, same finder
+    (c)    torch.utils.checkpoint.checkpoint_sequential over the blocks with round(sqrt(L)) segments,
+           largest micro-batch, same finder
+
+"Fits" means the measured peak (MemoryTracker over a window's first two micro-batches and the
+optimizer step: the window's peak) is <= M, the CPU stand-in for "does not run out of memory".
+Peaks are measured once per (configuration, micro-batch) and shared across budgets. Times are
+medians over rounds in which every distinct configuration runs one window in turn, so a slow
+moment of a shared machine hits all of them; the noise is the spread of the plan's time against
+itself across rounds.
+
+Targets: plan never slower than the fastest baseline that fits (ratio <= 1.00 within noise); at
+mid budgets >= 1.15x faster than (b); feasible where (a) is not; measured peak <= budget at every
+point; planning (profile + solve + trial) under 60 s on 2 CPU cores.
+
+    python benchmarks/planner.py [--model gpt-mini] [--batch 64] [--budgets 8] [--rounds 5]
+                                 [--threads N] [--quick] [--json] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint_sequential
+
+import microbatch as mb
+import results
+from microbatch.batching import micro_batch_sizes
+from microbatch.checkpoint import checkpoint
+from microbatch.memory import format_bytes
+from microbatch.models.gpt import GPT
+from microbatch.models.workloads import gpt_workload
+from microbatch.planner import Plan, plan
+from microbatch.planner.plot import save_frontier_plot
+from microbatch.planner.search import Candidate, search
+from microbatch.planner.trial import run_trial
+from microbatch.profile import preserved_state, profile_workload
+from microbatch.workload import Workload
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Config:
+    """A way to run a window: micro-batch sizes and how the blocks are checkpointed."""
+
+    kind: str  # "plan", "a", "b", "c"
+    sizes: tuple[int, ...]
+    policies: tuple[tuple[str, str], ...] = ()  # for "plan", "a", "b"
+
+    @property
+    def label(self) -> str:
+        return f"{self.sizes[0]} x {len(self.sizes)}"
+
+
+@contextlib.contextmanager
+def applied(workload: Workload, config: Config, blocks: list[str]) -> Iterator[None]:
+    """The model set up as ``config`` says for the duration of the block."""
+    model = workload.model
+    if config.kind == "c":
+        if not isinstance(model, GPT):
+            raise TypeError("checkpoint_sequential baseline needs the built-in GPT")
+        segments = max(1, round(math.sqrt(len(blocks))))
+
+        def forward(idx: torch.Tensor) -> torch.Tensor:  # GPT.forward with the blocks in segments
+            positions = torch.arange(idx.shape[1], device=idx.device)
+            x = model.dropout(model.token_embedding(idx) + model.position_embedding(positions))
+            x = checkpoint_sequential(model.blocks, segments, x, use_reentrant=False)
+            return model.lm_head(model.ln_f(x))  # type: ignore[no-any-return]
+
+        model.forward = forward  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del model.forward
+        return
+    policies = dict(config.policies)
+    if any(policy != "none" for policy in policies.values()):
+        with checkpoint(model, policy=policies):
+            yield
+    else:
+        yield
+
+
+def measured_peak(workload: Workload, config: Config, blocks: list[str]) -> int:
+    """Peak of the window's first two micro-batches and its step, as the planner's trial measures it."""
+    with applied(workload, config, blocks):
+        # run_trial applies a plan's own policies; here the model is already set up.
+        candidate = Candidate(
+            micro_batch_sizes=config.sizes, block_policies=(), peak_bytes=0, seconds_per_step=0.0
+        )
+        return run_trial(workload, candidate).peak_bytes
+
+
+def timed_window(
+    workload: Workload, config: Config, blocks: list[str], optimizer: torch.optim.Optimizer
+) -> float:
+    """Seconds for one optimizer step of ``config``: make no batches inside, train N micro-batches, step."""
+    batches = [workload.make_batch(size) for size in config.sizes]
+    model = workload.model
+    with applied(workload, config, blocks):
+        accumulator = mb.Accumulator(model, optimizer, steps=len(config.sizes))
+        began = time.perf_counter()
+        for micro in accumulator.iterate(batches):
+            loss, items = workload.loss(model, micro.batch)
+            accumulator.backward(loss, items=items)
+            if micro.is_last:
+                accumulator.step()
+        return time.perf_counter() - began
+
+
+def finder_sizes(batch: int) -> list[int]:
+    """Accelerate's find_executable_batch_size sequence: B, then int(0.9 x previous), down to 1."""
+    sizes = [batch]
+    while sizes[-1] > 1:
+        sizes.append(max(1, int(sizes[-1] * 0.9)))
+    return sizes
+
+
+class Peaks:
+    """Measured peaks per (kind, micro-batch), shared by every budget."""
+
+    def __init__(self, workload: Workload, blocks: list[str], batch: int) -> None:
+        self.workload, self.blocks, self.batch = workload, blocks, batch
+        self.cache: dict[tuple[str, int], int] = {}
+
+    def config(self, kind: str, size: int) -> Config:
+        policy = {"a": "none", "b": "full", "c": "none"}[kind]
+        return Config(
+            kind, tuple(micro_batch_sizes(self.batch, size)), tuple((n, policy) for n in self.blocks)
+        )
+
+    def peak(self, kind: str, size: int) -> int:
+        if (kind, size) not in self.cache:
+            self.cache[kind, size] = measured_peak(self.workload, self.config(kind, size), self.blocks)
+        return self.cache[kind, size]
+
+    def largest_that_fits(self, kind: str, budget: int) -> Config | None:
+        for size in finder_sizes(self.batch):
+            if self.peak(kind, size) <= budget:
+                return self.config(kind, size)
+        return None
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    workload = gpt_workload(args.model)
+    batch = args.batch
+    began = time.perf_counter()
+    first_plan_budget: int | None = None
+    profile = profile_workload(workload, max_micro_batch_size=min(batch, 16))
+    profile_seconds = time.perf_counter() - began
+    blocks = [segment.name for segment in profile.blocks]
+    minimum = search(profile, per_rank_batch=batch, capacity_bytes=math.inf).minimum.peak_bytes
+    peaks = Peaks(workload, blocks, batch)
+    top = peaks.peak("a", batch)
+    budgets = [round(minimum + i * (top - minimum) / (args.budgets - 1)) for i in range(args.budgets)]
+
+    points: list[dict[str, Any]] = []
+    plans: dict[int, Plan] = {}
+    for budget in budgets:
+        started = time.perf_counter()
+        try:
+            chosen = plan(workload, batch=batch, memory=budget, profile=profile)
+        except mb.MicrobatchError as error:
+            points.append({"budget_bytes": budget, "plan_error": str(error)})
+            continue
+        if first_plan_budget is None:
+            first_plan_budget = budget
+        plans[budget] = chosen
+        point: dict[str, Any] = {
+            "budget_bytes": budget,
+            "plan": Config("plan", chosen.micro_batch_sizes, chosen.block_policies),
+            "plan_solve_and_trial_seconds": time.perf_counter() - started,
+            "plan_predicted_peak_bytes": chosen.predicted_peak_bytes,
+            "plan_measured_peak_bytes": chosen.measured_peak_bytes,
+            "plan_predicted_seconds": chosen.predicted_seconds_per_step,
+            "plan_policies": chosen.policies,
+        }
+        for kind in ("a", "b", "c"):
+            point[kind] = peaks.largest_that_fits(kind, budget)
+        points.append(point)
+
+    # Time every distinct configuration, interleaved round by round.
+    distinct: list[Config] = []
+    for point in points:
+        for kind in ("plan", "a", "b", "c"):
+            config = point.get(kind)
+            if isinstance(config, Config) and config not in distinct:
+                distinct.append(config)
+    seconds: dict[Config, list[float]] = {config: [] for config in distinct}
+    with preserved_state(workload.model):
+        optimizer = workload.make_optimizer()
+        for config in distinct:  # warm-up: creates the optimizer state, first-call costs
+            timed_window(workload, config, blocks, optimizer)
+        for _ in range(args.rounds):
+            for config in distinct:
+                seconds[config].append(timed_window(workload, config, blocks, optimizer))
+    median = {config: statistics.median(values) for config, values in seconds.items()}
+
+    # A full plan from scratch (profile + solve + trial), as a user runs it.
+    fresh = gpt_workload(args.model)
+    started = time.perf_counter()
+    plan(fresh, batch=batch, memory=budgets[len(budgets) // 2])
+    planning_seconds = time.perf_counter() - started
+
+    rows = []
+    for point in points:
+        row: dict[str, Any] = {"budget_bytes": point["budget_bytes"]}
+        if "plan_error" in point:
+            row["plan_error"] = point["plan_error"]
+            rows.append(row)
+            continue
+        own = point["plan"]
+        row.update({k: v for k, v in point.items() if k.startswith("plan_")})
+        row["plan_micro_batch"] = own.label
+        row["plan_seconds"] = median[own]
+        spread = [value / median[own] for value in seconds[own]]
+        row["plan_noise"] = max(spread) - min(spread)
+        for kind in ("a", "b", "c"):
+            config = point[kind]
+            row[f"{kind}_micro_batch"] = config.label if config else None
+            row[f"{kind}_seconds"] = median[config] if config else None
+            row[f"{kind}_peak_bytes"] = peaks.peak(kind, config.sizes[0]) if config else None
+        fitting = [row[f"{kind}_seconds"] for kind in ("a", "b", "c") if row[f"{kind}_seconds"] is not None]
+        row["ratio_to_best_baseline"] = median[own] / min(fitting) if fitting else None
+        row["speedup_over_b"] = row["b_seconds"] / median[own] if row["b_seconds"] else None
+        rows.append(row)
+
+    plot_plan = plans.get(budgets[len(budgets) // 2]) or next(iter(plans.values()), None)
+    return {
+        "model": args.model,
+        "batch": batch,
+        "blocks": len(blocks),
+        "rows": rows,
+        "profile_seconds": profile_seconds,
+        "planning_seconds": planning_seconds,
+        "minimum_bytes": minimum,
+        "no_checkpoint_peak_bytes": top,
+        "plot_plan": plot_plan,
+        "plot_baselines": _baselines_for_plot(rows, plot_plan),
+    }
+
+
+def _baselines_for_plot(rows: list[dict[str, Any]], chosen: Plan | None) -> list[tuple[str, float, float]]:
+    if chosen is None:
+        return []
+    row = next(r for r in rows if r.get("budget_bytes") == chosen.budget_bytes)
+    names = {"a": "(a) no checkpointing", "b": "(b) all blocks full", "c": "(c) checkpoint_sequential"}
+    return [
+        (f"{names[k]} {row[f'{k}_micro_batch']} (measured)", row[f"{k}_seconds"], row[f"{k}_peak_bytes"])
+        for k in ("a", "b", "c")
+        if row[f"{k}_seconds"] is not None
+    ]
+
+
+def _cell(value: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(report: dict[str, Any], command: str, load: str) -> str:
+    rows = report["rows"]
+    table = []
+    for row in rows:
+        if "plan_error" in row:
+            table.append([format_bytes(row["budget_bytes"]), "no plan", "", "", "", "", "", "", ""])
+            continue
+        policies = ", ".join(
+            f"{p} x{list(row['plan_policies'].values()).count(p)}"
+            for p in dict.fromkeys(row["plan_policies"].values())
+        )
+        table.append(
+            [
+                format_bytes(row["budget_bytes"]),
+                f"{row['plan_micro_batch']} ({policies})",
+                format_bytes(row["plan_predicted_peak_bytes"])
+                + " / "
+                + format_bytes(row["plan_measured_peak_bytes"]),
+                _cell(row["plan_seconds"]),
+                *(
+                    f"{row[f'{k}_micro_batch']}: {_cell(row[f'{k}_seconds'])}"
+                    if row[f"{k}_seconds"]
+                    else "does not fit"
+                    for k in ("a", "b", "c")
+                ),
+                f"**{_cell(row['ratio_to_best_baseline'], 2)}**" if row["ratio_to_best_baseline"] else "n/a",
+                _cell(row["speedup_over_b"], 2) + "x" if row["speedup_over_b"] else "n/a",
+            ]
+        )
+    headers = [
+        "budget",
+        "plan: micro x steps (policies)",
+        "plan peak predicted / measured",
+        "plan s/step",
+        "(a) none, x0.9 finder",
+        "(b) all full, x0.9 finder",
+        "(c) checkpoint_sequential",
+        "plan / best fitting baseline",
+        "(b) / plan",
+    ]
+    fitted = [r for r in rows if "plan_error" not in r]
+    within = sum(r["plan_measured_peak_bytes"] <= r["budget_bytes"] for r in fitted)
+    a_fails = sum(r["a_seconds"] is None for r in fitted)
+    noise = max((r["plan_noise"] for r in fitted), default=0.0)
+    worst = max((r["ratio_to_best_baseline"] or 0.0 for r in fitted), default=0.0)
+    middle = fitted[len(fitted) // 4 : max(len(fitted) // 4 + 1, 3 * len(fitted) // 4)]
+    mid_speedups = [r["speedup_over_b"] for r in middle if r["speedup_over_b"]]
+    lines = [
+        f"Built-in GPT `{report['model']}` ({report['blocks']} blocks), effective batch {report['batch']}, "
+        f"budgets from the least any plan needs ({format_bytes(report['minimum_bytes'])}) to the peak of "
+        f"one no-checkpoint micro-batch of {report['batch']} "
+        f"({format_bytes(report['no_checkpoint_peak_bytes'])}). "
+        "Seconds per optimizer step are measured medians (every configuration trains full windows of exactly "
+        'B samples, interleaved round by round); a baseline "fits" when its measured peak is <= the budget.',
+        "",
+        results.markdown_table(headers, table),
+        "",
+        f"- Measured peak <= budget at **{within} of {len(fitted)}** points"
+        + (f"; no plan at {len(rows) - len(fitted)} budget(s)." if len(rows) > len(fitted) else "."),
+        f"- Plan / fastest fitting baseline: worst **{worst:.2f}** (noise of the plan against itself "
+        f"across rounds: up to {noise:.0%}).",
+        f"- (b) / plan at mid budgets: {', '.join(f'{s:.2f}x' for s in mid_speedups) or 'n/a'}.",
+        f"- Budgets where (a) no-checkpoint does not fit at any micro-batch and the plan does: {a_fails}.",
+        f"- Planning from scratch (profile + solve + trial): **{report['planning_seconds']:.1f} s**; "
+        f"the profile alone {report['profile_seconds']:.1f} s.",
+        "",
+        "Frontier of the mid-budget plan (predicted), with the baselines measured at that budget: "
+        "![frontier](frontier.png)",
+        "",
+        f"Measured on: {results.environment_line()}; torch threads {torch.get_num_threads()}; "
+        f"load average {load} (the machine is shared).",
+        "",
+        f"Command: `{command}`",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="gpt-mini")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--budgets", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: small batch, few budgets and rounds"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON (title, markdown, numbers)")
+    parser.add_argument(
+        "--no-write", action="store_true", help="leave benchmarks/RESULTS.md and the plot alone"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batch, args.budgets, args.rounds = min(args.batch, 16), min(args.budgets, 3), min(args.rounds, 1)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    report = measure(args)
+    load = ", ".join(f"{value:.1f}" for value in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
+    command = "python benchmarks/planner.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    text = markdown(report, command.strip(), load)
+    plot_plan: Plan | None = report.pop("plot_plan")
+    write = not (args.no_write or args.quick)
+    if write and plot_plan is not None:
+        save_frontier_plot(
+            plot_plan,
+            str(HERE / "frontier.png"),
+            title=(
+                f"{report['model']}, batch {report['batch']}: "
+                f"frontier at budget {format_bytes(plot_plan.budget_bytes)}"
+            ),
+            baselines=report.pop("plot_baselines"),
+        )
+    report.pop("plot_baselines", None)
+    if write:
+        results.write_section("Planner", text)
+    report["environment"] = results.environment()
+    if args.json:
+        print(json.dumps({"title": "Planner", "markdown": text, **report}, indent=2, default=str))
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""``microbatch plan MODEL --batch B --memory M``: choose micro-batch size, steps and checkpointing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..planner import plan
+from ..planner.plot import save_frontier_plot
+from ..workload import BUILTIN_WORKLOADS, load_workload
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        metavar="MODEL",
+        help=f"a built-in workload ({', '.join(BUILTIN_WORKLOADS)}) or package.module:function returning one",
+    )
+    parser.add_argument(
+        "--batch", type=int, required=True, help="effective batch per optimizer step, all ranks"
+    )
+    parser.add_argument(
+        "--memory",
+        required=True,
+        help="peak memory budget per rank: '8GiB', '300MiB', bytes, or a fraction of the device such as 0.8",
+    )
+    parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    parser.add_argument(
+        "--blocks",
+        default="auto",
+        help="comma-separated module names that may be checkpointed (default: auto, the repeated blocks)",
+    )
+    parser.add_argument(
+        "--policies",
+        default=None,
+        help="comma-separated policies to consider (default: none,full,selective; offload on accelerators)",
+    )
+    parser.add_argument("--no-trial", action="store_true", help="trust the model: skip the real trial window")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="draw the frontier (peak vs time per step) to PATH")
+
+
+class _Progress:
+    """One line on stderr, rewritten in place on a terminal."""
+
+    def __init__(self) -> None:
+        self.interactive = sys.stderr.isatty()
+        self.last = ""
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        line = f"planning: {what} [{done}/{total}]" if total > 1 else f"planning: {what}"
+        if self.interactive:
+            print(f"\r{line:<78}", end="", file=sys.stderr, flush=True)
+        elif line != self.last:
+            print(line, file=sys.stderr)
+        self.last = line
+
+    def close(self) -> None:
+        if self.interactive and self.last:
+            print("\r" + " " * 78 + "\r", end="", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    workload = load_workload(args.model)
+    blocks = (
+        "auto" if args.blocks == "auto" else [name.strip() for name in args.blocks.split(",") if name.strip()]
+    )
+    policies = None if args.policies is None else [p.strip() for p in args.policies.split(",") if p.strip()]
+    progress = _Progress()
+    try:
+        result = plan(
+            workload,
+            batch=args.batch,
+            memory=args.memory,
+            world_size=args.world_size,
+            blocks=blocks,
+            policies=policies,
+            trial=not args.no_trial,
+            progress=progress,
+        )
+    finally:
+        progress.close()
+    if args.plot:
+        save_frontier_plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result)
+        if args.plot:
+            print(f"frontier plot: {args.plot}")
+    return 0

@@ -1,0 +1,201 @@
+"""``microbatch train``: flags -> TrainConfig, a progress line on stderr, a summary (or --json) on stdout."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import sys
+import time
+from typing import Any, TextIO
+
+from .. import distributed
+from ..memory import format_bytes
+from ..models.gpt import GPT_SIZES
+from ..training import DEFAULT_CPU_MEMORY, StepReport, TrainConfig, TrainPlan, resume_config, train
+from ..training.config import CHECKPOINT_POLICIES, LR_SCALINGS, PLANNERS, PRECISIONS
+from ..training.plan import CUDA_FREE_MEMORY_FRACTION
+from ..training.run_folder import latest_run_dir
+
+_DEFAULTS = TrainConfig()
+# Flags that map one to one onto TrainConfig fields (argparse dest == field name).
+_CONFIG_FLAGS = (
+    "model",
+    "batch",
+    "memory",
+    "steps",
+    "lr",
+    "precision",
+    "nominal_batch",
+    "lr_scaling",
+    "checkpoint_policy",
+    "planner",
+    "out",
+    "seed",
+    "eval_interval",
+    "checkpoint_interval",
+    "device",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = (
+        "Train the built-in byte-level GPT on the Python standard library's own source (nothing is "
+        "downloaded), with the effective batch you ask for in the memory you have: microbatch plans "
+        "the micro-batch size, accumulation steps and activation checkpointing, shows progress and "
+        "writes runs/NAME/ (metrics.jsonl, plan.json, loss.png, summary.json, checkpoint.pt).\n\n"
+        f"Memory budget without --memory: on CUDA {CUDA_FREE_MEMORY_FRACTION:.0%} of the GPU memory free "
+        f"at start; on the CPU {DEFAULT_CPU_MEMORY} (the CPU has no allocator to ask and shares its "
+        "RAM with everything else, so the default is a small, GPU-like budget under which the default "
+        "run plans accumulation; pass --memory to use more)."
+    )
+    add = parser.add_argument
+    add("--model", help=f"built-in model size: {', '.join(GPT_SIZES)} (default {_DEFAULTS.model})")
+    add(
+        "--batch",
+        type=int,
+        help=f"effective batch in sequences per optimizer step (default {_DEFAULTS.batch})",
+    )
+    add("--memory", help="peak memory budget, e.g. 300MiB, 8GiB, or 0.5 of the device (default: see above)")
+    add("--steps", type=int, help=f"optimizer steps in total (default {_DEFAULTS.steps})")
+    add("--lr", type=float, help="peak learning rate (default: tuned per model size, e.g. 3e-3 for gpt-mini)")
+    add("--precision", choices=list(PRECISIONS), help="fp32, or bf16 / fp16 autocast (fp16 with GradScaler)")
+    add(
+        "--nominal-batch",
+        type=int,
+        help="batch the lr and weight decay were tuned for: weight decay x batch/nominal, accumulation "
+        "ramps up over the warmup (Ultralytics' nbs)",
+    )
+    add("--lr-scaling", choices=list(LR_SCALINGS), help="scale the lr from --nominal-batch to --batch")
+    add(
+        "--checkpoint-policy",
+        choices=list(CHECKPOINT_POLICIES),
+        help="activation checkpointing: auto (the planner decides per block), or none, full or selective "
+        "for every block (the micro-batch size then comes from the fixed rule; default auto)",
+    )
+    add(
+        "--planner",
+        choices=list(PLANNERS),
+        help="auto: microbatch's planner (profiles the model, proves the plan in one trial window); "
+        "fixed: a quick rule from one measured forward (default auto)",
+    )
+    add("--out", help="run folder (default runs/MODEL-DATE-TIME; with --resume, the latest run in runs/)")
+    add("--seed", type=int, help=f"seed for the weights and the data order (default {_DEFAULTS.seed})")
+    add(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its checkpoint (--steps may grow)",
+    )
+    add("--eval-interval", type=int, help="steps between validation losses (default steps/5, at most 50)")
+    add("--checkpoint-interval", type=int, help="steps between checkpoints (default max(eval interval, 50))")
+    add("--device", help="torch device, e.g. cpu or cuda:1 (default: CUDA when there is one)")
+    add("--json", action="store_true", help="print the summary as JSON on stdout")
+    add("--no-progress", action="store_true", help="no progress line on stderr")
+
+
+def _format_seconds(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class ProgressLine:
+    """One line redrawn with \\r on a terminal; elsewhere a plain line every tenth of the run."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.live = stream.isatty()
+        self.last_val_loss: float | None = None
+        self.width = 0
+
+    def __call__(self, report: StepReport) -> None:
+        if report.val_loss is not None:
+            self.last_val_loss = report.val_loss
+        filled = int(20 * report.step / report.total_steps)
+        val = f" | val {self.last_val_loss:.3f}" if self.last_val_loss is not None else ""
+        line = (
+            f"step {report.step}/{report.total_steps} [{'#' * filled}{'.' * (20 - filled)}] "
+            f"loss {report.loss:.3f}{val} | {report.tokens_per_second:,.0f} tok/s | lr {report.lr:.2e} | "
+            f"peak {format_bytes(report.peak_bytes)} | ETA {_format_seconds(report.eta_seconds)}"
+        )
+        if self.live:
+            self.stream.write("\r" + line.ljust(self.width))
+            self.width = len(line)
+            if report.step == report.total_steps:
+                self.stream.write("\n")
+        elif report.step == report.total_steps or report.step % max(1, report.total_steps // 10) == 0:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.live and self.width:
+            self.stream.write("\n")
+            self.width = 0
+
+
+def build_config(args: argparse.Namespace) -> TrainConfig:
+    """TrainConfig from the flags; with --resume, the run's saved config with the flags given on top."""
+    given = {name: getattr(args, name) for name in _CONFIG_FLAGS if getattr(args, name) is not None}
+    if args.resume:
+        run_dir = given.pop("out", None) or latest_run_dir()
+        return resume_config(run_dir, **given)
+    return dataclasses.replace(_DEFAULTS, **given)
+
+
+def _maybe_init_distributed() -> bool:
+    """Join the process group torchrun describes in the environment; True if this call created it."""
+    if distributed.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend=backend)
+    return True
+
+
+def _resume_command(summary_run_dir: str) -> str:
+    return f"microbatch train --resume --out {shlex.quote(summary_run_dir)}"
+
+
+def run(args: argparse.Namespace) -> int:
+    created_group = _maybe_init_distributed()
+    try:
+        return _run(args)
+    finally:
+        if created_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _run(args: argparse.Namespace) -> int:
+    config = build_config(args)
+    rank_zero = distributed.is_rank_zero()
+    progress = ProgressLine(sys.stderr) if rank_zero and not args.no_progress else None
+    started = time.perf_counter()
+    try:
+        summary = train(config, progress=progress)
+    finally:
+        if progress is not None:
+            progress.close()
+    if not rank_zero:
+        return 130 if summary.interrupted else 0
+    if args.json:
+        output: dict[str, Any] = summary.to_dict()
+        output["wall_seconds"] = time.perf_counter() - started
+        print(json.dumps(output, indent=2, sort_keys=True))
+    else:
+        print(summary)
+        print(f"plan: {TrainPlan(**summary.plan)}")
+    if summary.interrupted:
+        print(
+            f"microbatch train: interrupted at step {summary.steps_done}/{summary.total_steps}; checkpoint "
+            f"saved in {summary.checkpoint}. Resume with: {_resume_command(summary.run_dir)}",
+            file=sys.stderr,
+        )
+        return 130
+    return 0

@@ -1,0 +1,42 @@
+"""Hugging Face transformers models under microbatch (``pip install 'microbatch[hf]'``).
+
+``causal_lm_workload(model, batches)`` makes a Workload whose loss is the model's own token mean
+with the count of shifted labels it averages over, so the Accumulator, ``verify`` and the planner
+treat a transformers causal LM exactly (see ``causal_lm``). ``tiny_gpt2`` / ``tiny_llama`` /
+``tiny_bert`` build small models from configurations (see ``tiny``). Importing this package does
+not import transformers; building a model does.
+"""
+
+from __future__ import annotations
+
+from .causal_lm import (
+    IGNORE_INDEX,
+    causal_lm_loss,
+    causal_lm_workload,
+    check_causal_lm_loss,
+    count_causal_lm_items,
+    pad_causal_lm_batch,
+)
+from .tiny import (
+    StdlibTextBatches,
+    tiny_bert,
+    tiny_gpt2,
+    tiny_gpt2_workload,
+    tiny_llama,
+    tiny_llama_workload,
+)
+
+__all__ = [
+    "IGNORE_INDEX",
+    "StdlibTextBatches",
+    "causal_lm_loss",
+    "causal_lm_workload",
+    "check_causal_lm_loss",
+    "count_causal_lm_items",
+    "pad_causal_lm_batch",
+    "tiny_bert",
+    "tiny_gpt2",
+    "tiny_gpt2_workload",
+    "tiny_llama",
+    "tiny_llama_workload",
+]

@@ -1,0 +1,195 @@
+"""Choosing a policy per block for one micro-batch size: an exact chain knapsack.
+
+The model is a chain of segments in forward order (embeddings, block 1, ..., block L, head and
+loss). Each segment k runs under one option o_k (a checkpoint policy; the parts outside blocks have
+a single option) that has three costs:
+
+    kept_bytes[k, o]     bytes it adds to the live set from its forward until its backward
+                         (what autograd saves, the boundary a checkpoint keeps, its output)
+    peak_bytes[k, o]     the most bytes above the live set it found at its start, while it runs
+                         forward or backward (a recomputed block's activations live again here)
+    extra_seconds[k, o]  time it adds to an optimizer step over running without checkpointing
+
+With P_k = kept_bytes[1, o_1] + ... + kept_bytes[k, o_k], segment k's forward starts on top of
+P_{k-1}, and so does its backward: by then every later segment has released what it kept. So
+
+    activation peak = max_k (P_{k-1} + peak_bytes[k, o_k])
+
+and the policy problem for a capacity C is: minimise sum_k extra_seconds[k, o_k] subject to
+P_{k-1} + peak_bytes[k, o_k] <= C for every k. Each block picks one of its options (a
+multiple-choice knapsack) and the constraint holds at every prefix.
+
+Exact solution: dynamic programming over the chain, keeping after each segment the Pareto set of
+partial plans (P_k, seconds): a partial plan with no more kept bytes and no more seconds than
+another is as good for every continuation, because the later constraints depend on the past only
+through P_k. Bytes are integers, so nothing is rounded. For uniform blocks the Pareto set holds at
+most one plan per count of each option (O(L^2) for three options); ``max_states`` bounds it for
+large heterogeneous chains, merging plans whose kept bytes agree within a resolution.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_STATES = 4096
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run a segment: its policy name and its three costs (see the module docstring)."""
+
+    policy: str
+    kept_bytes: int
+    peak_bytes: int
+    extra_seconds: float
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A part of the model in forward order, with the options it may run under."""
+
+    name: str
+    options: tuple[Option, ...]
+
+
+@dataclass(frozen=True)
+class Solution:
+    """A choice of one option per segment: ``choice[k]`` indexes ``segments[k].options``."""
+
+    choice: tuple[int, ...]
+    extra_seconds: float
+    peak_bytes: int  # activation peak, max_k (P_{k-1} + peak_bytes[k, o_k])
+    kept_bytes: int  # P_L, what the whole forward keeps
+
+    def policies(self, segments: Sequence[Segment]) -> dict[str, str]:
+        return {
+            segment.name: segment.options[i].policy for segment, i in zip(segments, self.choice, strict=True)
+        }
+
+
+def evaluate(segments: Sequence[Segment], choice: Sequence[int]) -> Solution:
+    """The costs of one choice, summed in chain order (the order the solver sums in)."""
+    kept, peak, seconds = 0, 0, 0.0
+    for segment, index in zip(segments, choice, strict=True):
+        option = segment.options[index]
+        peak = max(peak, kept + option.peak_bytes)
+        kept += option.kept_bytes
+        seconds += option.extra_seconds
+    return Solution(choice=tuple(choice), extra_seconds=seconds, peak_bytes=peak, kept_bytes=kept)
+
+
+@dataclass
+class _State:
+    kept_bytes: int
+    seconds: float
+    peak_bytes: int
+    choice: tuple[int, ...]
+
+
+def _pareto(states: list[_State]) -> list[_State]:
+    """States not dominated in (kept_bytes, seconds); ties broken by the lower peak, then the choice."""
+    states.sort(key=lambda s: (s.kept_bytes, s.seconds, s.peak_bytes, s.choice))
+    front: list[_State] = []
+    best_seconds = math.inf
+    for state in states:
+        if state.seconds < best_seconds:
+            front.append(state)
+            best_seconds = state.seconds
+    return front
+
+
+def _thin(states: list[_State], max_states: int) -> list[_State]:
+    """At most ``max_states`` states: of those whose kept bytes share a bucket, the fastest survives."""
+    if len(states) <= max_states:
+        return states
+    low, high = states[0].kept_bytes, states[-1].kept_bytes
+    width = max(1, math.ceil((high - low + 1) / max_states))
+    kept: dict[int, _State] = {}
+    for state in states:
+        bucket = (state.kept_bytes - low) // width
+        current = kept.get(bucket)
+        if current is None or state.seconds < current.seconds:
+            kept[bucket] = state
+    logger.debug(
+        "policy solver: thinned %d partial plans to %d (resolution %d bytes)", len(states), len(kept), width
+    )
+    return _pareto(list(kept.values()))
+
+
+def solve(
+    segments: Sequence[Segment], capacity_bytes: float, *, max_states: int = DEFAULT_MAX_STATES
+) -> Solution | None:
+    """A choice with the least extra seconds whose activation peak is <= capacity_bytes.
+
+    None when nothing fits. Equally fast choices are told apart by peak only among those the
+    pruning keeps; ``frontier`` gives the lowest peak for each time exactly.
+    """
+    empty = [segment.name for segment in segments if not segment.options]
+    if empty:
+        raise ConfigError(f"policy solver: segment(s) {', '.join(empty)} have no options")
+    states = [_State(kept_bytes=0, seconds=0.0, peak_bytes=0, choice=())]
+    for segment in segments:
+        grown: list[_State] = []
+        for state in states:
+            for index, option in enumerate(segment.options):
+                peak = state.kept_bytes + option.peak_bytes
+                if peak > capacity_bytes:
+                    continue
+                grown.append(
+                    _State(
+                        kept_bytes=state.kept_bytes + option.kept_bytes,
+                        seconds=state.seconds + option.extra_seconds,
+                        peak_bytes=max(state.peak_bytes, peak),
+                        choice=(*state.choice, index),
+                    )
+                )
+        if not grown:
+            return None
+        states = _thin(_pareto(grown), max_states)
+    best = min(states, key=lambda s: (s.seconds, s.peak_bytes, s.choice))
+    # Recompute the sums in chain order so equal choices report bit-identical costs.
+    return evaluate(segments, best.choice)
+
+
+def minimum_peak(segments: Sequence[Segment]) -> Solution:
+    """The choice with the lowest activation peak (fastest among those), whatever it costs in time."""
+    best = solve(segments, math.inf)
+    if best is None:  # unreachable: with unbounded capacity every choice fits
+        raise ConfigError("policy solver: no choice fits an unbounded capacity")
+    # The least feasible capacity is an achievable peak, between 0 and any solution's peak.
+    low, high = 0, best.peak_bytes
+    while low < high:
+        middle = (low + high) // 2
+        found = solve(segments, middle)
+        if found is None:
+            low = middle + 1
+        else:
+            best, high = found, found.peak_bytes
+    return best
+
+
+def frontier(segments: Sequence[Segment], *, max_points: int = 64) -> list[Solution]:
+    """Pareto-optimal choices in (activation peak, extra seconds), fastest first.
+
+    Each step solves at a capacity one byte below the previous solution's peak: every Pareto point
+    (p, t) is reached, because the first capacity below the previous peak that is >= p has min time t.
+    """
+    points: list[Solution] = []
+    capacity: float = math.inf
+    while len(points) < max_points:
+        found = solve(segments, capacity)
+        if found is None:
+            break
+        if points and found.extra_seconds <= points[-1].extra_seconds:
+            points[-1] = found  # same time, lower peak: the earlier point was dominated
+        else:
+            points.append(found)
+        capacity = found.peak_bytes - 1
+    return points

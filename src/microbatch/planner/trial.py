@@ -1,0 +1,344 @@
+"""``plan()``: profile, search, prove the choice in one real window, re-plan until it fits.
+
+The trial runs one optimizer step of the chosen plan (its checkpointing, its micro-batches, the
+Accumulator, the workload's optimizer with its state already created) under MemoryTracker, and
+on CUDA reads the allocator's peak too. The window is cut to its first two micro-batches: from the
+second on, every micro-batch starts from the same live memory (parameters, all gradients,
+optimizer state), so the later ones of size b repeat the second one's peak, the short last one
+stays below it, and the step's own peak comes after any of them. Then:
+
+- measured peak <= budget: done; the plan reports predicted and measured peak.
+- measured peak > budget: the model under-predicted by e = measured - predicted. Every prediction
+  gets e added (a correction) and the search runs again; the failed plan now predicts over budget.
+- out-of-memory error: memory is freed, and plans predicted above the midpoint between the
+  smallest plan and the failed one (before correction) are ruled out; the search runs again. The
+  failed plan never reached its peak, so the bisection is the most that is known.
+
+Predictions carry a safety margin (search.SAFETY_MARGIN) for plans nobody has run. So the first
+trial goes to the fastest plan that fits the budget without it, when that is faster than the
+safe choice: if its measured peak fits, the measurement is the proof (its predicted peak, margin
+included, may then exceed the budget by less than the margin); if not, the safe plan is next.
+
+Each round rules out at least the plan that failed, so the loop ends; after ``max_trials`` rounds
+without a fit the planner raises InfeasibleBudgetError. Nothing it runs changes the model: its
+parameters, buffers, gradients, mode and the RNG are restored afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..accumulate import Accumulator
+from ..batching import move_batch
+from ..checkpoint import BlockSpec, checkpoint
+from ..errors import ConfigError, InfeasibleBudgetError
+from ..memory import MemoryTracker, format_bytes, parse_bytes
+from ..profile import (
+    NONE,
+    Profile,
+    ProgressFn,
+    free_memory,
+    is_out_of_memory,
+    preserved_state,
+    profile_workload,
+)
+from ..workload import Workload, load_workload
+from .plan import FrontierPoint, Plan, summarize_policies
+from .search import Candidate, Model, SearchResult, search
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TRIALS = 6
+DEFAULT_MAX_PROFILE_SIZE = 16
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    peak_bytes: int  # what the budget is checked against
+    tracked_peak_bytes: int  # MemoryTracker's peak
+    cuda_max_allocated_bytes: int | None
+
+
+def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
+    """One optimizer step of ``candidate`` on the workload's model, under MemoryTracker.
+
+    May raise an out-of-memory error; the model is restored either way.
+    """
+    model, device = workload.model, workload.device
+    with preserved_state(model):
+        model.train()
+        optimizer = workload.make_optimizer()
+        _create_optimizer_state(model, optimizer)
+        policies = dict(candidate.block_policies)
+        handle = checkpoint(model, policy=policies) if any(p != NONE for p in policies.values()) else None
+        try:
+            batches = [workload.make_batch(size) for size in trial_sizes(candidate.micro_batch_sizes)]
+
+            def loader() -> Iterator[object]:
+                # Each micro-batch reaches the device when its turn comes and is dropped after it.
+                while batches:
+                    yield move_batch(batches.pop(0), device)
+
+            accumulator = Accumulator(model, optimizer, steps=len(batches))
+            with MemoryTracker(device, model=model, optimizer=optimizer) as tracker:
+                for micro in accumulator.iterate(loader()):
+                    loss, items = workload.loss(model, micro.batch)
+                    accumulator.backward(loss, items=items)
+                    del loss
+                    if micro.is_last:
+                        accumulator.step()
+        finally:
+            if handle is not None:
+                handle.remove()
+            for parameter in model.parameters():
+                parameter.grad = None
+    measured = tracker.peak_bytes
+    if tracker.cuda_max_allocated_bytes is not None:
+        measured = max(measured, tracker.cuda_max_allocated_bytes)
+    return TrialResult(measured, tracker.peak_bytes, tracker.cuda_max_allocated_bytes)
+
+
+def trial_sizes(micro_batch_sizes: Sequence[int]) -> list[int]:
+    """The window cut to the micro-batches that reach its peak: the first two.
+
+    [b, b] for N >= 3 (the second holds all gradients at full size), [b, r] for N = 2, [b] for N = 1.
+    """
+    return list(micro_batch_sizes[:2])
+
+
+def _create_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One step on zero gradients: the optimizer's state exists from the window's start, as in training."""
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    for parameter in model.parameters():
+        parameter.grad = None
+
+
+def _static_message(profile: Profile, budget_bytes: int) -> str | None:
+    parts = profile.static_parts()
+    total = sum(parts.values())
+    if total + profile.step_peak_bytes <= budget_bytes:
+        return None
+    terms = " + ".join(f"{name} {format_bytes(value)}" for name, value in parts.items() if value)
+    exceed = (
+        "already exceed"
+        if total > budget_bytes
+        else (f"plus the optimizer step's temporaries {format_bytes(profile.step_peak_bytes)} exceed")
+    )
+    return (
+        f"{terms} = {format_bytes(total)} {exceed} the budget memory={format_bytes(budget_bytes)}; "
+        "no micro-batch size or checkpointing can fit. Raise memory, or shrink the model or its "
+        "optimizer state (a stateless or 8-bit optimizer, FSDP across more ranks)"
+    )
+
+
+def infeasible_error(profile: Profile, result: SearchResult, budget_bytes: int) -> InfeasibleBudgetError:
+    """The error for a budget below every plan, saying the minimum and what it is made of."""
+    minimum = result.minimum
+    message = _static_message(profile, budget_bytes)
+    if message is None:
+        terms = " + ".join(f"{name} {format_bytes(value)}" for name, value in minimum.parts if value)
+        message = (
+            f"no plan fits memory={format_bytes(budget_bytes)}: the smallest, micro-batch "
+            f"{minimum.micro_batch_size} x {minimum.steps} steps with "
+            f"{summarize_policies(minimum.block_policies)}, "
+            f"needs {format_bytes(minimum.peak_bytes)} = {terms}. Raise memory to at least "
+            f"{format_bytes(minimum.peak_bytes)}"
+        )
+    return InfeasibleBudgetError(message, minimum_bytes=minimum.peak_bytes, parts=dict(minimum.parts))
+
+
+def _frontier(result: SearchResult) -> tuple[FrontierPoint, ...]:
+    return tuple(
+        FrontierPoint(
+            micro_batch_size=c.micro_batch_size,
+            steps=c.steps,
+            block_policies=c.block_policies,
+            predicted_peak_bytes=c.peak_bytes,
+            seconds_per_step=c.seconds_per_step,
+        )
+        for c in result.frontier
+    )
+
+
+def _attempt(workload: Workload, candidate: Candidate) -> TrialResult | None:
+    """The trial's result; None when it ran out of memory (memory freed)."""
+    out_of_memory = False
+    try:
+        return run_trial(workload, candidate)
+    except RuntimeError as error:
+        if not is_out_of_memory(error):
+            raise
+        out_of_memory = True
+    if out_of_memory:  # outside the handler, so the failed window's tensors can be freed
+        free_memory(workload.device)
+    return None
+
+
+def _faster_without_margin(
+    profile: Profile, per_rank_batch: int, capacity: float, correction_bytes: int, safe: Candidate | None
+) -> Candidate | None:
+    """A plan faster than ``safe`` that fits the capacity without the safety margin (margin shown)."""
+    bold = search(
+        profile,
+        per_rank_batch=per_rank_batch,
+        capacity_bytes=capacity,
+        correction_bytes=correction_bytes,
+        safety_margin=0.0,
+    ).best
+    if bold is None or (safe is not None and bold.seconds_per_step >= safe.seconds_per_step):
+        return None
+    model = Model(profile, per_rank_batch=per_rank_batch, correction_bytes=correction_bytes)
+    return model.evaluate(bold.micro_batch_sizes, dict(bold.block_policies))
+
+
+def _no_plan(
+    profile: Profile, result: SearchResult, budget_bytes: int, trials: int, notes: Sequence[str]
+) -> InfeasibleBudgetError:
+    if trials == 0:
+        return infeasible_error(profile, result, budget_bytes)
+    return InfeasibleBudgetError(
+        f"no plan fits memory={format_bytes(budget_bytes)} after {trials} trial(s): "
+        + "; ".join(notes[-trials:])
+        + f". The model's smallest plan predicts {format_bytes(result.minimum.peak_bytes)}",
+        minimum_bytes=result.minimum.peak_bytes,
+        parts=dict(result.minimum.parts),
+    )
+
+
+def _validate(batch: int, world_size: int) -> int:
+    for name, value in (("batch", batch), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if batch % world_size:
+        raise ConfigError(
+            f"batch={batch} is not divisible by world_size={world_size}: every rank must run the same number "
+            f"of samples; choose a batch that is a multiple of {world_size}"
+        )
+    return batch // world_size
+
+
+def plan(
+    workload: Workload | str,
+    *,
+    batch: int,
+    memory: str | int | float,
+    world_size: int = 1,
+    blocks: BlockSpec = "auto",
+    policies: Sequence[str] | None = None,
+    profile: Profile | None = None,
+    trial: bool = True,
+    max_trials: int = DEFAULT_MAX_TRIALS,
+    max_profile_micro_batch_size: int = DEFAULT_MAX_PROFILE_SIZE,
+    progress: ProgressFn | None = None,
+) -> Plan:
+    """The fastest plan for an effective batch of ``batch`` samples within ``memory`` bytes of peak.
+
+    ``memory``: bytes, a size such as "8GiB", or a fraction of the device's memory (see parse_bytes).
+    ``blocks`` / ``policies``: which blocks may be checkpointed and how (default: "auto", and none,
+    full, selective, plus offload on accelerators). ``profile``: reuse one from ``profile_workload``.
+    ``trial``: prove the plan in one real window (recommended; False trusts the model).
+    Raises InfeasibleBudgetError when no plan fits; never lets an out-of-memory error escape.
+    """
+    began = time.perf_counter()
+    if isinstance(workload, str):
+        workload = load_workload(workload)
+    per_rank_batch = _validate(batch, world_size)
+    budget_bytes = parse_bytes(memory, device=workload.device, name="memory")
+    if profile is None:
+        profile = profile_workload(
+            workload,
+            max_micro_batch_size=min(per_rank_batch, max_profile_micro_batch_size),
+            blocks=blocks,
+            policies=policies,
+            progress=progress,
+        )
+    notes = list(profile.notes)
+    correction_bytes = 0
+    # After an out-of-memory error, plans predicted (before correction) at or above this are out.
+    oom_limit_bytes = math.inf
+    trials = 0
+    measured: TrialResult | None = None
+    margin_free_pending = trial
+    while True:
+        capacity = min(budget_bytes, oom_limit_bytes - 1 + correction_bytes)
+        result = search(
+            profile, per_rank_batch=per_rank_batch, capacity_bytes=capacity, correction_bytes=correction_bytes
+        )
+        chosen, margin_free = result.best, False
+        if margin_free_pending:
+            # The safety margin guards plans nobody ran. A faster plan that fits without it gets one
+            # trial first: if the measured peak fits, the measurement is the proof.
+            margin_free_pending = False
+            faster = _faster_without_margin(profile, per_rank_batch, capacity, correction_bytes, chosen)
+            if faster is not None:
+                chosen, margin_free = faster, True
+        if chosen is None:
+            raise _no_plan(profile, result, budget_bytes, trials, notes)
+        if not trial:
+            break
+        if trials >= max_trials:
+            raise InfeasibleBudgetError(
+                f"no plan proved to fit memory={format_bytes(budget_bytes)} in {max_trials} trials: "
+                + "; ".join(notes[-trials:]),
+                minimum_bytes=result.minimum.peak_bytes,
+                parts=dict(result.minimum.parts),
+            )
+        trials += 1
+        what = (
+            f"micro-batch {chosen.micro_batch_size} x {chosen.steps} "
+            f"with {summarize_policies(chosen.block_policies)}"
+        )
+        if progress is not None:
+            progress(f"trial {trials}: {what}", 0, 1)
+        measured = _attempt(workload, chosen)
+        if measured is None:
+            # The failed plan's real peak is unknown: bisect between the smallest plan and it.
+            failed = chosen.peak_bytes - correction_bytes
+            floor = result.minimum.peak_bytes - correction_bytes
+            oom_limit_bytes = min(oom_limit_bytes, failed - max(1, (failed - floor) // 2))
+            notes.append(f"trial {trials}: {what} ran out of memory; re-planned below it")
+        elif measured.peak_bytes > budget_bytes:
+            error_bytes = measured.peak_bytes - chosen.peak_bytes
+            if error_bytes > 0 or not margin_free:  # a margin-free try that the margin covers needs none
+                correction_bytes += max(1, error_bytes)
+            notes.append(
+                f"trial {trials}: {what} measured peak {format_bytes(measured.peak_bytes)} > budget "
+                f"(predicted {format_bytes(chosen.peak_bytes)}); re-planned"
+                + (f" with {format_bytes(correction_bytes)} more per plan" if correction_bytes else "")
+            )
+        else:
+            if margin_free:
+                notes.append(
+                    f"trial {trials}: {what} fits without the model's safety margin: measured "
+                    f"{format_bytes(measured.peak_bytes)} <= budget"
+                )
+            break
+        logger.info(notes[-1])
+    return Plan(
+        workload=workload.name,
+        batch_size=batch,
+        world_size=world_size,
+        micro_batch_size=chosen.micro_batch_size,
+        steps=chosen.steps,
+        micro_batch_sizes=chosen.micro_batch_sizes,
+        block_policies=chosen.block_policies,
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=chosen.peak_bytes,
+        measured_peak_bytes=measured.peak_bytes if measured is not None else None,
+        predicted_seconds_per_step=chosen.seconds_per_step,
+        peak_parts=chosen.parts,
+        frontier=_frontier(result),
+        cuda_max_allocated_bytes=measured.cuda_max_allocated_bytes if measured is not None else None,
+        trials=trials,
+        planning_seconds=time.perf_counter() - began,
+        notes=tuple(notes),
+    )

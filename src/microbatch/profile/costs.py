@@ -1,0 +1,246 @@
+"""What profiling measured: costs as functions of the micro-batch size, per segment and policy."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError
+from ..memory import format_bytes
+
+NONE = "none"
+# A fit is "linear" when it misses no measurement by more than this fraction of the largest value
+# (measurements below the absolute floors are noise and always fit).
+LINEAR_TOLERANCE = 0.10
+BYTES_FLOOR = 64 * 1024
+SECONDS_FLOOR = 2e-3
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A cost as a function of the micro-batch size b, from measurements at a few sizes.
+
+    ``intercept + slope * b`` is the least-squares line (what ``is_linear`` judges). With
+    ``interpolate`` the value is instead the piecewise-linear curve through the measurements,
+    extended beyond them along the nearest piece: byte counts are a maximum over moments of lines
+    in b (a fixed-size temporary wins at small b, activations at large b), a convex function, and
+    the chords between measurements lie on or above it.
+    """
+
+    intercept: float
+    slope: float
+    sizes: tuple[int, ...] = ()
+    values: tuple[float, ...] = ()
+    interpolate: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        sizes: Sequence[int],
+        values: Sequence[float],
+        *,
+        nonnegative: bool = False,
+        interpolate: bool = False,
+    ) -> Fit:
+        """Least squares; ``nonnegative`` keeps intercept and slope >= 0 (a time cannot shrink with b)."""
+        if len(sizes) != len(values) or not sizes:
+            raise ConfigError("Fit.of needs as many values as sizes, at least one")
+        pairs = sorted(zip(sizes, values, strict=True))
+        xs, ys = [float(s) for s, _ in pairs], [float(v) for _, v in pairs]
+        n = len(xs)
+        mean_x, mean_y = sum(xs) / n, sum(ys) / n
+        spread = sum((x - mean_x) ** 2 for x in xs)
+        # Least squares: slope = cov(x, y) / var(x); a single size gives a constant.
+        slope = (
+            sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread if spread else 0.0
+        )
+        intercept = mean_y - slope * mean_x
+        if nonnegative and (slope < 0 or intercept < 0):
+            # The best line with the offending coefficient at zero: through the origin, or flat.
+            if slope < 0:
+                slope, intercept = 0.0, max(0.0, mean_y)
+            else:
+                squares = sum(x * x for x in xs)
+                slope, intercept = max(0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / squares), 0.0
+        return cls(intercept, slope, tuple(int(s) for s, _ in pairs), tuple(ys), interpolate)
+
+    @classmethod
+    def constant(cls, value: float) -> Fit:
+        return cls(float(value), 0.0)
+
+    def line(self, micro_batch_size: float) -> float:
+        return self.intercept + self.slope * micro_batch_size
+
+    def __call__(self, micro_batch_size: float) -> float:
+        """The predicted value at ``micro_batch_size``, never below zero (a cost cannot be negative)."""
+        if not self.interpolate or len(self.sizes) < 2:
+            return max(0.0, self.line(micro_batch_size))
+        xs, ys = self.sizes, self.values
+        # The piece that holds b, or the first / last piece beyond the measured sizes.
+        index = 1
+        while index < len(xs) - 1 and micro_batch_size > xs[index]:
+            index += 1
+        x0, x1, y0, y1 = xs[index - 1], xs[index], ys[index - 1], ys[index]
+        return max(0.0, y0 + (y1 - y0) * (micro_batch_size - x0) / (x1 - x0))
+
+    def relative_miss(self) -> float:
+        """Largest |line - measured| over the largest |measured|: 0 for a perfect line."""
+        if not self.values:
+            return 0.0
+        scale = max(abs(v) for v in self.values)
+        if scale == 0:
+            return 0.0
+        return max(abs(self.line(s) - v) for s, v in zip(self.sizes, self.values, strict=True)) / scale
+
+    def is_linear(self, *, floor: float) -> bool:
+        if not self.values or max(abs(v) for v in self.values) < floor:
+            return True
+        return self.relative_miss() <= LINEAR_TOLERANCE
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "intercept": self.intercept,
+            "slope": self.slope,
+            "sizes": list(self.sizes),
+            "values": list(self.values),
+            "interpolate": self.interpolate,
+        }
+
+
+@dataclass(frozen=True)
+class PolicyCost:
+    """A segment's costs under one policy, each as a function of the micro-batch size."""
+
+    kept_bytes: Fit
+    peak_bytes: Fit
+    forward_seconds: Fit
+    backward_seconds: Fit
+
+    def seconds(self, micro_batch_size: float) -> float:
+        return self.forward_seconds(micro_batch_size) + self.backward_seconds(micro_batch_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kept_bytes": self.kept_bytes.to_dict(),
+            "peak_bytes": self.peak_bytes.to_dict(),
+            "forward_seconds": self.forward_seconds.to_dict(),
+            "backward_seconds": self.backward_seconds.to_dict(),
+        }
+
+
+@dataclass(frozen=True)
+class SegmentProfile:
+    """A block (``is_block``) or a part outside the blocks, with its costs per policy.
+
+    Parts outside blocks have only the policy "none". ``gradient_bytes`` is the gradient memory of
+    the parameters whose gradients this segment's backward creates.
+    """
+
+    name: str
+    is_block: bool
+    costs: Mapping[str, PolicyCost]
+    boundary_bytes: Fit = field(default_factory=lambda: Fit.constant(0))
+    gradient_bytes: int = 0
+
+    @property
+    def policies(self) -> tuple[str, ...]:
+        return tuple(self.costs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "is_block": self.is_block,
+            "boundary_bytes": self.boundary_bytes.to_dict(),
+            "gradient_bytes": self.gradient_bytes,
+            "costs": {policy: cost.to_dict() for policy, cost in self.costs.items()},
+        }
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What profiling measured; the planner's only view of the model.
+
+    ``base_bytes``: live bytes at a micro-batch's forward start besides parameters, gradients and
+    optimizer state (the micro-batch and the next one the loop holds). ``step_peak_bytes``: the
+    most bytes the optimizer step allocates above the static memory. ``loop_seconds``: time per
+    micro-batch outside the segments (making the batch, the loss's bookkeeping). ``slack_bytes``:
+    how far the measured peak of the profiled runs exceeded the model's own prediction for them.
+    """
+
+    name: str
+    device: str
+    micro_batch_sizes: tuple[int, ...]
+    segments: tuple[SegmentProfile, ...]
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    optimizer_name: str
+    base_bytes: Fit
+    step_peak_bytes: int
+    step_seconds: float
+    loop_seconds: Fit
+    slack_bytes: int = 0
+    profile_seconds: float = 0.0
+    notes: tuple[str, ...] = ()
+
+    @property
+    def static_bytes(self) -> int:
+        """Parameters + gradients + optimizer state: live through every micro-batch of a window."""
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
+
+    @property
+    def blocks(self) -> tuple[SegmentProfile, ...]:
+        return tuple(segment for segment in self.segments if segment.is_block)
+
+    @property
+    def policies(self) -> tuple[str, ...]:
+        found: list[str] = []
+        for segment in self.blocks:
+            found.extend(policy for policy in segment.policies if policy not in found)
+        return tuple(found)
+
+    def static_parts(self) -> dict[str, int]:
+        return {
+            "parameters": self.parameter_bytes,
+            "gradients": self.gradient_bytes,
+            f"{self.optimizer_name} state": self.optimizer_bytes,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "device": self.device,
+            "micro_batch_sizes": list(self.micro_batch_sizes),
+            "parameter_bytes": self.parameter_bytes,
+            "gradient_bytes": self.gradient_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "optimizer_name": self.optimizer_name,
+            "base_bytes": self.base_bytes.to_dict(),
+            "step_peak_bytes": self.step_peak_bytes,
+            "step_seconds": self.step_seconds,
+            "loop_seconds": self.loop_seconds.to_dict(),
+            "slack_bytes": self.slack_bytes,
+            "profile_seconds": self.profile_seconds,
+            "notes": list(self.notes),
+            "segments": [segment.to_dict() for segment in self.segments],
+        }
+
+    def __str__(self) -> str:
+        b = max(self.micro_batch_sizes) if self.micro_batch_sizes else 1
+        lines = [
+            f"Profile of {self.name} on {self.device} at micro-batch sizes "
+            f"{', '.join(map(str, self.micro_batch_sizes))} ({self.profile_seconds:.1f} s)",
+            "static: " + " + ".join(f"{k} {format_bytes(v)}" for k, v in self.static_parts().items()),
+            f"per segment at micro-batch {b}:",
+            f"  {'segment':<24} {'policy':<10} {'kept':>10} {'peak':>10} {'fwd ms':>8} {'bwd ms':>8}",
+        ]
+        for segment in self.segments:
+            for policy, cost in segment.costs.items():
+                lines.append(
+                    f"  {segment.name:<24} {policy:<10} {format_bytes(cost.kept_bytes(b)):>10} "
+                    f"{format_bytes(cost.peak_bytes(b)):>10} {1e3 * cost.forward_seconds(b):>8.2f} "
+                    f"{1e3 * cost.backward_seconds(b):>8.2f}"
+                )
+        lines.extend(f"note: {note}" for note in self.notes)
+        return "\n".join(lines)

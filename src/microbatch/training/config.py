@@ -1,0 +1,192 @@
+"""What a training run is asked to do (TrainConfig), its checks, and its lr / batch schedules."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+from .. import distributed, schedules
+from ..errors import ConfigError, WorkloadError
+from ..models.corpus import DEFAULT_MAX_BYTES
+from ..models.gpt import GPT_SIZES
+
+logger = logging.getLogger(__name__)
+
+# Learning rates that train each size well at effective batch 64 (AdamW, betas 0.9 / 0.95).
+DEFAULT_LR = {"gpt-nano": 3e-3, "gpt-mini": 3e-3, "gpt-12l": 2e-3, "gpt-small": 6e-4, "gpt-medium": 3e-4}
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+CHECKPOINT_POLICIES = ("auto", "none", "full", "selective")
+# "auto": microbatch.planner when it is installed, else the fixed rule; "fixed": the fixed rule.
+PLANNERS = ("auto", "fixed")
+LR_SCALINGS = ("linear", "sqrt")
+# TrainConfig fields a resumed run may change; every other field must match the checkpoint's.
+RESUMABLE_CHANGES = frozenset(
+    {"steps", "out", "resume", "eval_interval", "checkpoint_interval", "memory", "device", "planner"}
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What to train and how. Sizes are in sequences; ``memory`` is a peak-bytes budget.
+
+    ``steps`` counts optimizer steps in total (a resumed run continues up to it). The learning rate
+    warms up linearly over ``warmup_steps`` and then stays constant, or decays by a cosine to 10 %
+    at ``lr_decay_steps`` when given; neither depends on ``steps``, so a run can be extended.
+    ``nominal_batch`` (Ultralytics' nbs): the batch the lr and weight decay were tuned for; weight
+    decay is scaled by batch / nominal_batch, the lr by the same ratio (``lr_scaling="linear"``)
+    or its square root (``"sqrt"``), and accumulation ramps up from 1 micro-batch over the warmup.
+    """
+
+    model: str = "gpt-mini"
+    batch: int = 64
+    memory: str | int | None = None
+    steps: int = 200
+    lr: float | None = None
+    precision: str = "fp32"
+    nominal_batch: int | None = None
+    lr_scaling: str | None = None
+    checkpoint_policy: str = "auto"
+    planner: str = "auto"
+    out: str | None = None
+    seed: int = 0
+    resume: bool = False
+    warmup_steps: int = 20
+    lr_decay_steps: int | None = None
+    weight_decay: float = 0.1
+    max_grad_norm: float | None = 1.0
+    dropout: float = 0.0
+    eval_interval: int | None = None
+    eval_batches: int = 4
+    checkpoint_interval: int | None = None
+    corpus_bytes: int = DEFAULT_MAX_BYTES
+    device: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in values.items() if key in known})
+
+
+# --------------------------------------------------------------------------------------------------
+# The run
+
+
+def validate_config(config: TrainConfig) -> None:
+    if isinstance(config.batch, bool) or not isinstance(config.batch, int) or config.batch <= 0:
+        raise ConfigError(f"--batch must be a positive number of sequences, got {config.batch!r}")
+    if config.model not in GPT_SIZES:
+        raise WorkloadError(
+            f"--model {config.model!r} is not a built-in model; "
+            f"the built-in models are: {', '.join(GPT_SIZES)}"
+        )
+    checks = [
+        (config.steps >= 1, f"--steps must be >= 1, got {config.steps}"),
+        (config.lr is None or config.lr > 0, f"--lr must be positive, got {config.lr}"),
+        (
+            config.precision in PRECISIONS,
+            f"--precision must be one of {', '.join(PRECISIONS)}, got {config.precision!r}",
+        ),
+        (
+            config.nominal_batch is None or config.nominal_batch > 0,
+            f"--nominal-batch must be positive, got {config.nominal_batch}",
+        ),
+        (
+            config.lr_scaling is None or config.lr_scaling in LR_SCALINGS,
+            f"--lr-scaling must be linear or sqrt, got {config.lr_scaling!r}",
+        ),
+        (
+            config.lr_scaling is None or config.nominal_batch is not None,
+            "--lr-scaling scales the lr from --nominal-batch to --batch; give --nominal-batch too",
+        ),
+        (
+            config.checkpoint_policy in CHECKPOINT_POLICIES,
+            f"--checkpoint-policy must be one of {', '.join(CHECKPOINT_POLICIES)}, "
+            f"got {config.checkpoint_policy!r}",
+        ),
+        (
+            config.planner in PLANNERS,
+            f"--planner must be one of {', '.join(PLANNERS)}, got {config.planner!r}",
+        ),
+        (config.warmup_steps >= 0, f"warmup_steps must be >= 0, got {config.warmup_steps}"),
+        (
+            config.eval_interval is None or config.eval_interval >= 1,
+            f"--eval-interval must be >= 1, got {config.eval_interval}",
+        ),
+        (
+            config.checkpoint_interval is None or config.checkpoint_interval >= 1,
+            f"--checkpoint-interval must be >= 1, got {config.checkpoint_interval}",
+        ),
+        (config.eval_batches >= 1, f"eval_batches must be >= 1, got {config.eval_batches}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    world = distributed.world_size()
+    if config.batch % world:
+        raise ConfigError(
+            f"--batch {config.batch} must be a multiple of the number of processes ({world}); "
+            f"use --batch {config.batch - config.batch % world or world}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Schedules
+
+
+def lr_factor(step: int, *, warmup_steps: int, decay_steps: int | None) -> float:
+    """Multiplier of the base lr before optimizer step ``step`` (0-based).
+
+    Linear warmup (step + 1) / warmup_steps, then 1, or with ``decay_steps`` a cosine from 1 down to
+    0.1 at decay_steps: 0.1 + 0.45 * (1 + cos(pi * progress)), constant 0.1 afterwards.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if decay_steps is None or decay_steps <= warmup_steps:
+        return 1.0
+    progress = min((step - warmup_steps) / (decay_steps - warmup_steps), 1.0)
+    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+
+def scaled_hyperparameters(config: TrainConfig) -> tuple[float, float]:
+    """(lr, weight decay) for the effective batch B, given the nominal batch nbs they were tuned for.
+
+    lr x B / nbs (linear, Goyal et al. 2017) or x sqrt(B / nbs) (square root, common with Adam)
+    when ``lr_scaling`` is set; weight decay x B / nbs as in Ultralytics (wd * b * accumulate / nbs,
+    with b * accumulate = B).
+    """
+    lr = config.lr if config.lr is not None else DEFAULT_LR.get(config.model, 1e-3)
+    if config.nominal_batch is None:
+        return lr, config.weight_decay
+    if config.lr_scaling is not None:
+        rule: schedules.LRRule = "sqrt" if config.lr_scaling == "sqrt" else "linear"
+        lr = schedules.scale_lr(lr, base_batch=config.nominal_batch, batch=config.batch, rule=rule)
+    weight_decay = schedules.scaled_weight_decay(
+        config.weight_decay, batch=config.batch, accumulation=1, nominal_batch=config.nominal_batch
+    )
+    return lr, weight_decay
+
+
+def accumulation_schedule(
+    config: TrainConfig, *, plan_steps: int, micro_batch_size: int
+) -> int | Callable[[int], int]:
+    """Micro-batches per window: the plan's, ramped up from 1 over the warmup with a nominal batch.
+
+    Ultralytics' ramp (microbatch.schedules.accumulation_schedule) over the micro-batches of the
+    first ``warmup_steps`` full windows, ending at the plan's steps: afterwards every window holds
+    the full effective batch.
+    """
+    if config.nominal_batch is None or plan_steps == 1 or config.warmup_steps == 0:
+        return plan_steps
+    return schedules.accumulation_schedule(
+        batch=micro_batch_size,
+        warmup_iterations=config.warmup_steps * plan_steps,
+        nominal_batch=micro_batch_size * plan_steps,
+    )

@@ -1,0 +1,164 @@
+"""The run folder: atomic writes, checkpoint files, metrics lines and the loss plot."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, ResumeError
+from .config import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE = "checkpoint.pt", "config.json", "metrics.jsonl"
+PLAN_FILE, SUMMARY_FILE, PLOT_FILE = "plan.json", "summary.json", "loss.png"
+CHECKPOINT_FORMAT = "microbatch-train-checkpoint"
+CHECKPOINT_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Run folder and checkpoints
+
+
+def _fsync_directory(path: str) -> None:
+    with contextlib.suppress(OSError):
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+
+def atomic_write(path: str, write: Callable[[Any], None], *, binary: bool = True) -> None:
+    """Write a file so a reader sees the old or the new content, never a part: temp, fsync, rename."""
+    directory = os.path.dirname(os.path.abspath(path))
+    temporary = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    # Mode 0o666 less the umask, like any new file (mkstemp would make it private to the owner).
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(descriptor, "wb" if binary else "w") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    _fsync_directory(directory)
+
+
+def write_json(path: str, data: Any) -> None:
+    atomic_write(path, lambda file: json.dump(data, file, indent=2, sort_keys=True), binary=False)
+
+
+def check_writable(path: str) -> None:
+    """Raise ConfigError naming --out unless ``path`` is, or can be made as, a writable folder."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not a folder" if not os.path.isdir(existing) else "is not writable"
+        raise ConfigError(
+            f"--out {path!r}: cannot write the run folder there ({existing!r} {what}); "
+            "choose a folder you can write to"
+        )
+
+
+def prepare_run_dir(path: str) -> None:
+    """Create the run folder and prove it is writable, or raise ConfigError naming --out."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise ConfigError(
+            f"--out {path!r}: cannot write the run folder there ({error.strerror or error}); "
+            "choose a folder you can write to"
+        ) from error
+
+
+def load_checkpoint(path: str) -> dict[str, Any]:
+    """A training checkpoint's contents, or ResumeError saying what is wrong with the file."""
+    if not os.path.isfile(path):
+        raise ResumeError(f"--resume: no checkpoint at {path!r}; start a new run without --resume")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch.load raises many types for a damaged file
+        raise ResumeError(
+            f"--resume: the checkpoint {path!r} is corrupted or not a microbatch checkpoint "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+            "nothing was changed; start a new run with a different --out"
+        ) from error
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ResumeError(f"--resume: {path!r} is not a microbatch train checkpoint; nothing was changed")
+    if state.get("version") != CHECKPOINT_VERSION:
+        raise ResumeError(
+            f"--resume: {path!r} has checkpoint version {state.get('version')!r}, this microbatch reads "
+            f"version {CHECKPOINT_VERSION}; nothing was changed"
+        )
+    return state
+
+
+def resume_config(run_dir: str, **changes: Any) -> TrainConfig:
+    """The config saved in ``run_dir``'s checkpoint with ``changes`` (steps, ...) and resume=True."""
+    state = load_checkpoint(os.path.join(run_dir, CHECKPOINT_FILE))
+    saved = TrainConfig.from_dict(state["config"])
+    return replace(saved, out=run_dir, resume=True, **changes)
+
+
+def latest_run_dir(root: str = "runs") -> str:
+    """The most recently modified folder under ``root`` that holds a checkpoint."""
+    candidates = []
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            path = os.path.join(root, name, CHECKPOINT_FILE)
+            if os.path.isfile(path):
+                candidates.append((os.path.getmtime(path), os.path.join(root, name)))
+    if not candidates:
+        raise ResumeError(f"--resume: no run with a checkpoint under {root!r}; pass --out runs/NAME")
+    return max(candidates)[1]
+
+
+def read_metrics(path: str, *, up_to_step: int) -> list[dict[str, Any]]:
+    lines: list[dict[str, Any]] = []
+    if os.path.isfile(path):
+        with open(path) as file:
+            for line in file:
+                with contextlib.suppress(json.JSONDecodeError):
+                    record = json.loads(line)
+                    if isinstance(record, dict) and int(record.get("step", 0)) <= up_to_step:
+                        lines.append(record)
+    return lines
+
+
+def plot_losses(path: str, metrics: list[dict[str, Any]]) -> None:
+    """loss.png: training loss per step and validation loss where it was measured."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    steps = [record["step"] for record in metrics]
+    axes.plot(steps, [record["loss"] for record in metrics], label="training loss", linewidth=1)
+    validation = [
+        (record["step"], record["val_loss"]) for record in metrics if record.get("val_loss") is not None
+    ]
+    if validation:
+        axes.plot(*zip(*validation, strict=True), "o-", label="validation loss")
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("loss (nats per byte)")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    atomic_write(path, lambda file: figure.savefig(file, format="png"))
