@@ -15,11 +15,16 @@ when it cannot resolve the 2 % target. The Accumulator's own work is also timed 
 
     python benchmarks/accumulate_overhead.py                 # prints JSON, writes RESULTS.md section
     python benchmarks/accumulate_overhead.py --quick --no-write
+    microbatch bench accumulate_overhead                     # runs it with --json, writes the section
+
+With --json it prints one JSON object (the numbers, the section's title and markdown) for
+``microbatch bench`` and leaves RESULTS.md alone: bench writes it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -407,6 +412,14 @@ def section(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def reproducing_command(argv: list[str], *, json_mode: bool) -> str:
+    """The command that remakes this section: ``microbatch bench`` when it ran the script, else python."""
+    rest = [arg for arg in argv if arg != "--json"]
+    if json_mode and set(rest) <= {"--quick"}:
+        return "microbatch bench" + (" --quick" if rest else "") + " accumulate_overhead"
+    return " ".join(["python", f"benchmarks/{Path(__file__).name}", *rest])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="micro-batches per optimizer step")
@@ -420,14 +433,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: least noise)")
     parser.add_argument("--profile-repeats", type=int, default=200)
     parser.add_argument("--quick", action="store_true", help="a few trials, to check that it runs")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON with the section's markdown (what microbatch bench reads); do not write RESULTS.md",
+    )
     parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
     if args.quick:
         args.trials, args.warmup_trials, args.profile_repeats = 4, 1, 20
-    result = run(args)
+    # With --json, stdout carries the JSON object alone.
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        result = run(args)
+    result["command"] = reproducing_command(sys.argv[1:] if argv is None else list(argv), json_mode=args.json)
+    text = section(result)
+    if args.json:
+        print(json.dumps({"title": SECTION_TITLE, "markdown": text, **result}, indent=2))
+        return 0
     print(json.dumps(result, indent=2))
     if not args.no_write:
-        results.write_section(SECTION_TITLE, section(result))
+        results.write_section(SECTION_TITLE, text)
     return 0
 
 

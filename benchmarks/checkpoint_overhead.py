@@ -12,12 +12,18 @@ Targets (CPU):
     selective:  ratio <= 1.10 and keeps >= 40 % of full's activation saving,
                 where saving(policy) = peak(none) - peak(policy)
 
-    python benchmarks/checkpoint_overhead.py [--model gpt-mini] [--batch 64] [--rounds 10] [--json]
+    python benchmarks/checkpoint_overhead.py [--model gpt-mini] [--batch 64] [--rounds 12] [--threads 1]
+    microbatch bench checkpoint_overhead          # runs it with --json, writes the RESULTS.md section
+
+Without --json it prints the section and writes it to RESULTS.md (--quick, a smoke run with a small
+batch and few rounds, does not write). With --json it prints one JSON object (the numbers, the
+section's title and markdown) for ``microbatch bench`` and leaves RESULTS.md alone: bench writes it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -34,6 +40,7 @@ from microbatch.memory import MemoryTracker, format_bytes
 from microbatch.models.workloads import gpt_workload
 
 POLICIES = ("none", "full", "selective", "offload")
+SECTION_TITLE = "Checkpoint overhead"
 
 
 def _sync(device: torch.device) -> None:
@@ -217,37 +224,65 @@ def markdown(report: dict[str, Any], command: str, load_average: str) -> str:
     return "\n".join(lines)
 
 
+def reproducing_command(argv: list[str], *, json_mode: bool) -> str:
+    """The command that remakes this section: ``microbatch bench`` when it ran the script, else python."""
+    rest = [arg for arg in argv if arg != "--json"]
+    if json_mode and set(rest) <= {"--quick"}:
+        return "microbatch bench" + (" --quick" if rest else "") + " checkpoint_overhead"
+    return " ".join(["python", "benchmarks/checkpoint_overhead.py", *rest])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="gpt-mini")
     parser.add_argument("--batch", type=int, default=64, help="sequences per step (the main job's batch)")
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--json", action="store_true", help="print JSON only")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (1: steadier timings on a shared machine)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: small batch, few rounds; RESULTS.md not written"
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON with the section's markdown (what microbatch bench reads); do not write RESULTS.md",
+    )
     parser.add_argument("--no-write", action="store_true", help="do not update benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.batch, args.rounds, args.warmup = min(args.batch, 16), min(args.rounds, 3), min(args.warmup, 1)
     torch.manual_seed(0)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    report = measure(
-        model_name=args.model,
-        batch_size=args.batch,
-        rounds=args.rounds,
-        warmup=args.warmup,
-        device=torch.device(args.device),
-    )
+    # With --json, stdout carries the JSON object alone.
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        report = measure(
+            model_name=args.model,
+            batch_size=args.batch,
+            rounds=args.rounds,
+            warmup=args.warmup,
+            device=torch.device(args.device),
+        )
     report["environment"] = results.environment()
-    command = "python benchmarks/checkpoint_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = reproducing_command(sys.argv[1:] if argv is None else list(argv), json_mode=args.json)
     load = ", ".join(f"{value:.1f}" for value in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
     report["load_average"] = load
-    text = markdown(report, command.strip(), load)
-    if not args.no_write:
-        results.write_section("Checkpoint overhead", text)
-    print(json.dumps(report, indent=2) if args.json else text)
+    text = markdown(report, command, load)
+    if args.json:
+        report["command"] = command
+        print(json.dumps({"title": SECTION_TITLE, "markdown": text, **report}, indent=2))
+        return 0
+    if not (args.no_write or args.quick):
+        results.write_section(SECTION_TITLE, text)
+    print(text)
     return 0
 
 

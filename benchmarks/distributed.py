@@ -14,15 +14,22 @@ kind iterate() uses to agree on window lengths across ranks (S - 1 of them per w
 
     python benchmarks/distributed.py                 # prints JSON, writes the RESULTS.md section
     python benchmarks/distributed.py --quick --no-write
+    microbatch bench distributed                     # runs it with --json, writes the section
+
+With --json it prints one JSON object (the numbers, the section's title and markdown) for
+``microbatch bench`` and leaves RESULTS.md alone: bench writes it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
+import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -97,13 +104,42 @@ def run_rank(config: dict[str, Any]) -> dict[str, Any]:
     return {"seconds": seconds, "control_all_reduce_seconds": control_seconds, "parameters": parameters}
 
 
-def main() -> None:
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send this process's stdout, and that of the ranks it spawns (file descriptor 1), to stderr."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def reproducing_command(argv: list[str], *, json_mode: bool) -> str:
+    """The command that remakes this section: ``microbatch bench`` when it ran the script, else python."""
+    rest = [arg for arg in argv if arg != "--json"]
+    if json_mode and set(rest) <= {"--quick"}:
+        return "microbatch bench" + (" --quick" if rest else "") + " distributed"
+    return " ".join(["python", "benchmarks/distributed.py", *rest])
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="fewer trials (a smoke run)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON with the section's markdown (what microbatch bench reads); do not write RESULTS.md",
+    )
     parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    command = reproducing_command(sys.argv[1:] if argv is None else list(argv), json_mode=args.json)
     config = {
         "width": 2048,
         "depth": 6,
@@ -114,7 +150,9 @@ def main() -> None:
     }
     started = time.perf_counter()
     load_before = os.getloadavg()[0]
-    rank0 = distributed.launch(run_rank, config, world_size=2, timeout_s=1800.0)[0]
+    # With --json, stdout carries the JSON object alone: the ranks' output goes to stderr.
+    with stdout_to_stderr() if args.json else contextlib.nullcontext():
+        rank0 = distributed.launch(run_rank, config, world_size=2, timeout_s=1800.0)[0]
     load_average = (load_before + os.getloadavg()[0]) / 2
     skip = statistics.median(rank0["seconds"]["skip"])
     every = statistics.median(rank0["seconds"]["every"])
@@ -134,9 +172,6 @@ def main() -> None:
         "load_average_1min": load_average,
         "wall_seconds": time.perf_counter() - started,
     }
-    print(json.dumps(report, indent=2))
-    if args.no_write:
-        return
     table = results.markdown_table(
         ["mode", "DDP all-reduces per window", "seconds per window (median)", "trials"],
         [
@@ -146,7 +181,7 @@ def main() -> None:
     )
     megabytes = rank0["parameters"] * 4 / 1e6
     body = (
-        f"`python benchmarks/distributed.py`: 2 gloo processes on 127.0.0.1, one CPU thread each; DDP "
+        f"`{command}`: 2 gloo processes on 127.0.0.1, one CPU thread each; DDP "
         f"MLP of {rank0['parameters'] / 1e6:.1f} M float32 parameters ({megabytes:.0f} MB per all-reduce), "
         f"{steps} micro-batches of {config['micro_batch_size']} per window, modes alternated.\n\n"
         f"{table}\n\n"
@@ -158,8 +193,14 @@ def main() -> None:
         "during the run (the machine is shared): absolute seconds vary between runs; the ratio is taken "
         "within one run."
     )
-    results.write_section(SECTION, body)
+    if args.json:
+        print(json.dumps({"title": SECTION, "markdown": body, "command": command, **report}, indent=2))
+        return 0
+    print(json.dumps(report, indent=2))
+    if not args.no_write:
+        results.write_section(SECTION, body)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

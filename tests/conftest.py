@@ -1,5 +1,7 @@
+import logging
 import os
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -11,3 +13,15 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _restore_package_logger() -> Iterator[None]:
+    # cli.main() configures the "microbatch" logger (its own handler, no propagation); put it back
+    # so later tests' caplog, which listens on the root logger, still sees the package's records.
+    package_logger = logging.getLogger("microbatch")
+    handlers, level, propagate = list(package_logger.handlers), package_logger.level, package_logger.propagate
+    yield
+    package_logger.handlers[:] = handlers
+    package_logger.setLevel(level)
+    package_logger.propagate = propagate

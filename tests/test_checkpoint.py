@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
 import logging
 from typing import Any
 
@@ -20,7 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-import microbatch.checkpoint as ckpt
+ckpt = importlib.import_module("microbatch.checkpoint")  # the module; mb.checkpoint is the function
 from microbatch.checkpoint import POLICIES, checkpoint, find_blocks
 from microbatch.errors import CheckpointError, ConfigError
 from microbatch.memory import MemoryTracker

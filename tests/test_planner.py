@@ -19,7 +19,7 @@ from microbatch.models.gpt import GPTConfig
 from microbatch.models.workloads import cnn_bn, gpt_workload, lm_varlen
 from microbatch.planner import Plan, plan
 from microbatch.planner.search import SAFETY_MARGIN, Model, search
-from microbatch.profile import Profile, profile_workload
+from microbatch.profile import Fit, PolicyCost, Profile, SegmentProfile, profile_workload
 from microbatch.workload import Workload
 
 CNN_BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]
@@ -47,7 +47,7 @@ def cnn() -> tuple[Workload, Profile]:
 def peak_range(profile: Profile, batch: int) -> tuple[int, int]:
     """(the least peak any plan reaches, the peak of one micro-batch of the whole batch, no checkpointing)."""
     minimum = search(profile, per_rank_batch=batch, capacity_bytes=math.inf).minimum.peak_bytes
-    top = Model(profile, per_rank_batch=batch).evaluate([batch], {}).peak_bytes
+    top = Model(profile).evaluate([batch], {}).peak_bytes
     return minimum, top
 
 
@@ -210,6 +210,61 @@ def test_measured_peak_over_budget_corrects_the_model(gpt: tuple[Workload, Profi
     assert dict(result.peak_parts)["correction from trials"] >= unexpected * 0.9
 
 
+def synthetic_profile() -> Profile:
+    """One block whose selective policy keeps more on its first call; every cost linear in b."""
+
+    def cost(kept: float, peak: float, first: tuple[float, float] | None = None) -> PolicyCost:
+        line = lambda k: Fit(0.0, k, (1, 2), (k, 2 * k), interpolate=True)  # noqa: E731
+        return PolicyCost(
+            kept_bytes=line(kept),
+            peak_bytes=line(peak),
+            forward_seconds=Fit(0.0, 1.0),
+            backward_seconds=Fit(0.0, 2.0),
+            first_kept_bytes=line(first[0]) if first else None,
+            first_peak_bytes=line(first[1]) if first else None,
+        )
+
+    return Profile(
+        name="synthetic",
+        device="cpu",
+        micro_batch_sizes=(1, 2),
+        segments=(
+            SegmentProfile("(before blocks)", False, {"none": cost(10, 10)}),
+            SegmentProfile(
+                "b0",
+                True,
+                {"none": cost(100, 150), "selective": cost(60, 150, first=(80, 170))},
+                gradient_bytes=600,
+            ),
+            SegmentProfile("(after blocks)", False, {"none": cost(5, 20)}, gradient_bytes=400),
+        ),
+        parameter_bytes=1000,
+        gradient_bytes=1000,
+        optimizer_bytes=0,
+        optimizer_name="SGD",
+        base_bytes=Fit.constant(0),
+        step_peak_bytes=0,
+        step_seconds=0.0,
+        loop_seconds=Fit.constant(0),
+    )
+
+
+def test_both_phases_of_a_window_are_priced() -> None:
+    model = Model(synthetic_profile(), safety_margin=0.0)
+    # b = 10. Later micro-batches (all 1000 gradient bytes live, selective steady): the block
+    # peaks at P_0 = 100 plus 1500 + 1000 = 2600. The first micro-batch (gradients of later
+    # segments only, 400 while the block runs; selective's first call): 100 + 1700 + 400 = 2200.
+    two_steps = model.evaluate([10, 10], {"b0": "selective"})
+    assert two_steps.peak_bytes == 1000 + 2600
+    # One micro-batch per window: every micro-batch is a first micro-batch, and the first call
+    # is the larger: 100 + 1700 + 400 = 2200 (the steady 100 + 1500 + 400 = 2000 is below).
+    one_step = model.evaluate([10], {"b0": "selective"})
+    assert one_step.peak_bytes == 1000 + 2200
+    # Time: three segments at 1 + 2 s per sample; selective measured no slower than none, so its
+    # extra is the floor, a tenth of the block's forward (10 samples x 1 s).
+    assert one_step.seconds_per_step == pytest.approx(10 * 3 * 3 + 0.1 * 10)
+
+
 def double_lm() -> Workload:
     workload = lm_varlen()
     workload.model.double()
@@ -276,6 +331,7 @@ def test_plan_reads_and_serialises(gpt: tuple[Workload, Profile]) -> None:
     assert data["micro_batch_size"] * (data["steps"] - 1) < BATCH <= data["micro_batch_size"] * data["steps"]
     assert data["policies"] == result.policies
     assert data["measured_peak_bytes"] == result.measured_peak_bytes
+    assert data["minimum_bytes"] == minimum
     assert len(data["frontier"]) == len(result.frontier)
     assert result.samples_per_second == pytest.approx(BATCH / result.predicted_seconds_per_step)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -292,3 +348,14 @@ def test_command_line(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None
     assert main(["plan", "lm-varlen", "--batch", "8", "--memory", "1KiB"]) == 2
     error = capsys.readouterr().err
     assert "already exceed" in error and "error:" in error
+
+
+def test_model_without_repeated_blocks_plans_the_micro_batch_size_only() -> None:
+    workload = cnn_bn()  # its three blocks differ in shape: blocks="auto" finds none
+    budget = 2**20
+    result = plan(workload, batch=32, memory=budget, max_profile_micro_batch_size=8)
+    assert result.block_policies == ()
+    assert any("found no repeated blocks" in note for note in result.notes)
+    assert result.measured_peak_bytes is not None and result.measured_peak_bytes <= budget
+    assert sum(result.micro_batch_sizes) == 32 and result.micro_batch_size < 32
+    assert result.checkpoint(workload.model) is None

@@ -205,9 +205,24 @@ def test_progress_is_reported() -> None:
     profile_workload(
         mlp_workload(), micro_batch_sizes=(1, 2), repeats=2, progress=lambda *args: calls.append(args)
     )
-    done = [d for _, d, _ in calls]
-    assert done == sorted(done) and calls[-1][1] == calls[-1][2] == 3 * 2 * (1 + 2)
+    # Memory: per size, none once and each of full, selective twice (first call, steady state).
+    # Time: per round, every (policy, size) once plus each checkpoint's untimed first call.
+    total = 2 * (1 + 2 * 2) + 2 * (3 * 2 + 2)
+    assert [done for _, done, _ in calls] == [*range(total), total]
+    assert {all_runs for _, _, all_runs in calls} == {total}
     assert any("policy full, micro-batch 2" in what for what, _, _ in calls)
+
+
+def test_first_call_of_a_checkpoint_is_measured_apart() -> None:
+    profile = profile_workload(mlp_workload(), micro_batch_sizes=(1, 2, 4), repeats=1)
+    for block in profile.blocks:
+        for policy, cost in block.costs.items():
+            for size in (1, 2, 4):
+                # A first call keeps at least what the steady state keeps; none has no first call.
+                assert cost.kept(size, first=True) >= cost.kept(size)
+                assert cost.peak(size, first=True) >= cost.peak(size)
+            if policy == "none":
+                assert cost.first_kept_bytes is None
 
 
 class SkippingMLP(MLP):

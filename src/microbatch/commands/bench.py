@@ -6,7 +6,8 @@ A suite is a script ``benchmarks/<suite>.py`` in a source checkout. Each accepts
     {"title": "Peers",              its section heading in RESULTS.md (default: the suite's name)
      "markdown": "...",             the section's body: tables whose rows name machine, torch, date
      "plots": [{"name": ..., "kind": "bar" | "barh", "title": ..., "ylabel": ..., "log": false,
-                "labels": [...], "series": {"name": [value or null, ...]}}],
+                "labels": [...], "series": {"name": [value or null, ...]},
+                "reference": {"value": 1.0, "label": "..."}}],   (optional: a line across the bars)
      ...}                           anything else; ``bench --json`` passes it all through
 
 The command runs each script as ``python benchmarks/<suite>.py --json [--quick]`` from the
@@ -30,6 +31,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -216,11 +218,11 @@ def draw_plot(spec: dict[str, Any], directory: Path, *, suffix: str = "") -> Pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [str(label) for label in spec["labels"]]
+    labels = [str(label).replace("`", "") for label in spec["labels"]]
     series: dict[str, list[Any]] = spec["series"]
     horizontal = spec.get("kind") == "barh"
     width = 0.8 / max(1, len(series))
-    figure, axes = plt.subplots(figsize=(8, max(3.0, 0.45 * len(labels) + 1.5)) if horizontal else (9, 4.5))
+    figure, axes = plt.subplots(figsize=(10, max(3.0, 0.45 * len(labels) + 1.5)) if horizontal else (9, 4.5))
     for index, (name, values) in enumerate(series.items()):
         positions = [i + (index - (len(series) - 1) / 2) * width for i in range(len(labels))]
         heights = [float(v) if isinstance(v, (int, float)) and math.isfinite(v) else math.nan for v in values]
@@ -240,8 +242,18 @@ def draw_plot(spec: dict[str, Any], directory: Path, *, suffix: str = "") -> Pat
         axes.set_ylabel(spec.get("ylabel", ""))
         if spec.get("log"):
             axes.set_yscale("log")
-    axes.set_title(spec.get("title", ""))
-    if len(series) > 1:
+    reference = spec.get("reference")
+    if reference:
+        line = axes.axvline if horizontal else axes.axhline
+        line(
+            float(reference["value"]),
+            color="black",
+            linestyle="--",
+            linewidth=1,
+            label=reference.get("label"),
+        )
+    axes.set_title(textwrap.fill(str(spec.get("title", "")), 70), fontsize="medium")
+    if len(series) > 1 or reference:
         axes.legend(fontsize="small")
     figure.tight_layout()
     directory.mkdir(parents=True, exist_ok=True)

@@ -66,7 +66,8 @@ class Plan:
     ``micro_batch_size`` but a possibly shorter last one) per optimizer step, so the effective batch
     is exactly ``batch_size``. ``block_policies`` says per block: none, full, selective or offload.
     ``measured_peak_bytes`` comes from one real window run under MemoryTracker (None without a trial);
-    ``peak_parts`` is what the predicted peak is made of.
+    ``peak_parts`` is what the predicted peak is made of; ``minimum_bytes`` is the least budget any
+    plan is predicted to fit (micro-batch 1, the blocks checkpointed).
     """
 
     workload: str
@@ -82,6 +83,7 @@ class Plan:
     predicted_seconds_per_step: float
     peak_parts: tuple[tuple[str, int], ...]
     frontier: tuple[FrontierPoint, ...]
+    minimum_bytes: int = 0
     cuda_max_allocated_bytes: int | None = None
     trials: int = 0
     planning_seconds: float = 0.0
@@ -145,6 +147,7 @@ class Plan:
             "budget_bytes": self.budget_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "measured_peak_bytes": self.measured_peak_bytes,
+            "minimum_bytes": self.minimum_bytes,
             "cuda_max_allocated_bytes": self.cuda_max_allocated_bytes,
             "predicted_seconds_per_step": self.predicted_seconds_per_step,
             "samples_per_second": self.samples_per_second,
@@ -172,7 +175,7 @@ class Plan:
             f"predicted peak {format_bytes(self.predicted_peak_bytes)}{measured}",
             f"  predicted {self.predicted_seconds_per_step:.3g} s per optimizer step, "
             f"{self.samples_per_second:.1f} samples/s",
-            "  peak = " + " + ".join(f"{name} {format_bytes(value)}" for name, value in self.peak_parts),
+            "  peak = " + " + ".join(f"{name} {format_bytes(v)}" for name, v in self.peak_parts if v),
             "",
             f"  {'block':<28} policy",
         ]

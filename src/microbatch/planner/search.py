@@ -10,25 +10,32 @@ effective batch is exactly B. With the profile's fits, for a choice o (one polic
     chain peak       = max_k (P_{k-1} + peak_k(o_k, b) + G_k)
 
 (solve.py defines P_k and the activation term). G_k is the gradient memory live while segment k
-runs: all gradients when N >= 2 (the earlier micro-batches created them); with N = 1 only those
-of segment k and the segments after it (backward creates them in reverse order).
+runs: all gradients from a window's second micro-batch on (the earlier ones created them); in
+its first, only those of the segments after k (backward creates them in reverse order; k's own
+are in its measured peak). The first micro-batch also differs in that a checkpoint may keep more
+on its first call (selective learns what to skip in its first recompute). So a choice is priced
+in both phases (Model.price), and its chain peak is the larger.
 
-For a fixed b the policy choice is solve.solve on that chain. Only the smallest b for each N is
-searched: with time linear in b, N micro-batches cost N * a + k * B_rank whatever their split, and
-the smallest b needs the least memory; every other b is dominated.
+For a fixed b the choice is the fastest point of the steady chain's frontier (solve.frontier)
+whose two-phase peak fits: exact when the steady phase bounds the first, as without selective
+checkpointing. Only the smallest b for each N is searched: with time linear in b, N
+micro-batches cost N * a + k * B_rank whatever their split, and the smallest b needs the least
+memory; every other b is dominated.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..batching import micro_batch_sizes
+from ..errors import ConfigError
 from ..profile import NONE, Profile
 from . import solve
 
 FRONTIER_POINTS = 256  # per micro-batch size
+STEADY, FIRST, BOTH = "steady", "first", "both"  # phases of a window; see Model.chain
 # Added to the chain's peak: the loop's few scalars from earlier micro-batches, and the fits'
 # error beyond the profiled sizes, stay under it.
 SAFETY_MARGIN = 0.01
@@ -61,7 +68,6 @@ class SearchResult:
     best: Candidate | None  # fastest candidate within the capacity; None when nothing fits
     frontier: tuple[Candidate, ...]  # Pareto-optimal in (peak, seconds), fastest first
     minimum: Candidate  # the lowest peak any candidate reaches
-    candidates: tuple[Candidate, ...] = field(default=(), repr=False)  # best per micro-batch size
 
 
 def candidate_sizes(per_rank_batch: int) -> list[int]:
@@ -70,18 +76,12 @@ def candidate_sizes(per_rank_batch: int) -> list[int]:
 
 
 class Model:
-    """The peak and time model of one profile for one per-rank batch; builds solver chains."""
+    """The peak and time model of one profile; builds solver chains and prices their solutions."""
 
     def __init__(
-        self,
-        profile: Profile,
-        *,
-        per_rank_batch: int,
-        correction_bytes: int = 0,
-        safety_margin: float = SAFETY_MARGIN,
+        self, profile: Profile, *, correction_bytes: int = 0, safety_margin: float = SAFETY_MARGIN
     ) -> None:
         self.profile = profile
-        self.per_rank_batch = per_rank_batch
         self.correction_bytes = correction_bytes
         self.safety_margin = safety_margin
 
@@ -89,20 +89,31 @@ class Model:
         segments = self.profile.segments
         if steps >= 2:
             return [self.profile.gradient_bytes] * len(segments)
-        # G_k = gradients of segments k..end: backward has created those by the end of segment k.
+        # G_k = gradients of the segments after k: their backwards, which ran before k's, created them.
+        # Segment k's own new gradients are inside its measured peak already: the profiled runs
+        # hold all gradients, so each backward made its new gradient as a temporary before adding it.
         terms, running = [0] * len(segments), 0
         for k in range(len(segments) - 1, -1, -1):
-            running += segments[k].gradient_bytes
             terms[k] = running
+            running += segments[k].gradient_bytes
         return terms
 
-    def chain(self, sizes: Sequence[int]) -> list[solve.Segment]:
-        """Solver segments for micro-batches of ``sizes``: memory at the largest, time summed."""
-        b = max(sizes)
-        gradients = self._gradient_terms(len(sizes))
+    def chain(self, sizes: Sequence[int], *, phase: str = STEADY) -> list[solve.Segment]:
+        """Solver segments for a window of micro-batches of ``sizes``: memory per phase, time summed.
+
+        ``phase``: STEADY, a micro-batch after the window's first (all gradients live, checkpoints
+        in their steady state); FIRST, the window's first micro-batch (its gradients appear as its
+        backward runs) with checkpoints on their first call; BOTH, each option at the larger of the
+        two, a chain whose peak bounds both phases.
+        """
+        # The first phase is the window's first micro-batch; the steady phase the largest later one
+        # (with one micro-batch per window, every window's only one: the same size).
+        first_size, steady_size = sizes[0], max(sizes[1:], default=sizes[0])
+        steady_gradients = self._gradient_terms(len(sizes))
+        first_gradients = self._gradient_terms(1)
         chain = []
-        for segment, gradient_bytes in zip(self.profile.segments, gradients, strict=True):
-            base = segment.costs[NONE] if NONE in segment.costs else next(iter(segment.costs.values()))
+        for k, segment in enumerate(self.profile.segments):
+            base = segment.costs[NONE]
             base_seconds = sum(base.seconds(m) for m in sizes)
             forward_seconds = sum(base.forward_seconds(m) for m in sizes)
             options = []
@@ -112,11 +123,22 @@ class Model:
                     # A recompute repeats (part of) the forward: a smaller measured cost is noise.
                     floor = RECOMPUTE_FLOOR.get(policy, 1.0) * forward_seconds
                     extra = max(floor, sum(cost.seconds(m) for m in sizes) - base_seconds)
+                steady = (cost.kept(steady_size), cost.peak(steady_size) + steady_gradients[k])
+                first = (
+                    cost.kept(first_size, first=True),
+                    cost.peak(first_size, first=True) + first_gradients[k],
+                )
+                if phase == STEADY:
+                    kept, peak = steady
+                elif phase == FIRST:
+                    kept, peak = first
+                else:
+                    kept, peak = max(steady[0], first[0]), max(steady[1], first[1])
                 options.append(
                     solve.Option(
                         policy=policy,
-                        kept_bytes=math.ceil(cost.kept_bytes(b)),
-                        peak_bytes=math.ceil(cost.peak_bytes(b)) + gradient_bytes,
+                        kept_bytes=math.ceil(kept),
+                        peak_bytes=math.ceil(peak),
                         extra_seconds=extra,
                     )
                 )
@@ -128,9 +150,7 @@ class Model:
         total = self.profile.step_seconds
         for m in sizes:
             total += self.profile.loop_seconds(m)
-            for segment in self.profile.segments:
-                cost = segment.costs[NONE] if NONE in segment.costs else next(iter(segment.costs.values()))
-                total += cost.seconds(m)
+            total += sum(segment.costs[NONE].seconds(m) for segment in self.profile.segments)
         return total
 
     def fixed_bytes(self, sizes: Sequence[int]) -> int:
@@ -155,24 +175,26 @@ class Model:
             + self.correction_bytes
         )
 
-    def activation_bytes(self, solution_peak_bytes: int) -> int:
+    def activation_bytes(self, chain_peak_bytes: int) -> int:
         """The chain's peak (activations and the gradients live with them) with the safety margin."""
-        return math.ceil(solution_peak_bytes * (1 + self.safety_margin))
+        return math.ceil(chain_peak_bytes * (1 + self.safety_margin))
 
     def room(self, sizes: Sequence[int], capacity_bytes: float) -> float:
         """The largest chain peak whose plan stays within ``capacity_bytes``."""
         room = (capacity_bytes - self.fixed_bytes(sizes)) / (1 + self.safety_margin)
         return math.floor(room) if math.isfinite(room) else room
 
-    def candidate(
-        self, sizes: Sequence[int], chain: Sequence[solve.Segment], solution: solve.Solution
-    ) -> Candidate:
+    def price(self, sizes: Sequence[int], choice: Sequence[int]) -> Candidate:
+        """A choice of one option per segment (indices as in ``chain``) with its peak and time."""
         profile = self.profile
+        steady = solve.evaluate(self.chain(sizes, phase=STEADY), choice)
+        first = solve.evaluate(self.chain(sizes, phase=FIRST), choice)
+        chain_peak = max(steady.peak_bytes, first.peak_bytes)
         fixed = self.fixed_bytes(sizes)
-        chain_bytes = self.activation_bytes(solution.peak_bytes)
+        chain_bytes = self.activation_bytes(chain_peak)
         parts = {**profile.static_parts(), "batch and loop": math.ceil(profile.base_bytes(max(sizes)))}
         if fixed + chain_bytes >= self.step_bytes(sizes):
-            margin = chain_bytes - solution.peak_bytes
+            margin = chain_bytes - chain_peak
             # The chain's peak holds the gradients that are live then; the rest of it is activations.
             parts["activations"] = fixed + chain_bytes - margin - sum(parts.values())
             if margin:
@@ -183,27 +205,26 @@ class Model:
             parts["slack"] = profile.slack_bytes
         if self.correction_bytes:
             parts["correction from trials"] = self.correction_bytes
-        blocks = {segment.name for segment in profile.segments if segment.is_block}
         policies = tuple(
-            (name, policy) for name, policy in solution.policies(chain).items() if name in blocks
+            (segment.name, segment.policies[index])
+            for segment, index in zip(profile.segments, choice, strict=True)
+            if segment.is_block
         )
         return Candidate(
             micro_batch_sizes=tuple(sizes),
             block_policies=policies,
             peak_bytes=max(fixed + chain_bytes, self.step_bytes(sizes)),
-            seconds_per_step=self.base_seconds(sizes) + solution.extra_seconds,
+            seconds_per_step=self.base_seconds(sizes) + steady.extra_seconds,
             parts=tuple(parts.items()),
         )
 
     def evaluate(self, sizes: Sequence[int], policies: dict[str, str]) -> Candidate:
         """The model's peak and time for given sizes and block policies (blocks not named: none)."""
-        chain = self.chain(sizes)
         choice = []
-        for segment in chain:
+        for segment in self.profile.segments:
             wanted = policies.get(segment.name, NONE)
-            names = [option.policy for option in segment.options]
-            choice.append(names.index(wanted) if wanted in names else 0)
-        return self.candidate(sizes, chain, solve.evaluate(chain, choice))
+            choice.append(segment.policies.index(wanted) if wanted in segment.policies else 0)
+        return self.price(sizes, choice)
 
 
 def pareto(candidates: Sequence[Candidate]) -> list[Candidate]:
@@ -225,41 +246,33 @@ def search(
     safety_margin: float = SAFETY_MARGIN,
 ) -> SearchResult:
     """The fastest plan whose predicted peak is <= capacity_bytes, the frontier, and the minimum."""
-    model = Model(
-        profile, per_rank_batch=per_rank_batch, correction_bytes=correction_bytes, safety_margin=safety_margin
-    )
+    model = Model(profile, correction_bytes=correction_bytes, safety_margin=safety_margin)
     best: Candidate | None = None
     points: list[Candidate] = []
-    per_size: list[Candidate] = []
     minimum: Candidate | None = None
     for b in candidate_sizes(per_rank_batch):
         sizes = micro_batch_sizes(per_rank_batch, b)
-        chain = model.chain(sizes)
-        front = solve.frontier(chain, max_points=FRONTIER_POINTS)
-        complete = len(front) < FRONTIER_POINTS
-        # The frontier's last point has the lowest peak, unless the frontier was cut short.
-        lowest = model.candidate(sizes, chain, front[-1] if complete else solve.minimum_peak(chain))
+        # The steady chain's frontier, priced in both phases; and the choice with the lowest peak
+        # in both phases together (a chain that bounds both), so the minimum is never missed.
+        front = solve.frontier(model.chain(sizes), max_points=FRONTIER_POINTS)
+        both = model.chain(sizes, phase=BOTH)
+        priced = [model.price(sizes, s.choice) for s in (*front, solve.minimum_peak(both))]
+        lowest = min(priced, key=lambda c: (c.peak_bytes, c.seconds_per_step))
         if minimum is None or lowest.peak_bytes < minimum.peak_bytes:
             minimum = lowest
-        points.extend(model.candidate(sizes, chain, s) for s in front)
+        points.extend(priced)
         if model.step_bytes(sizes) > capacity_bytes:
             continue
-        # Fastest first: the first point within the room is the least time, then the least peak.
-        room = model.room(sizes, capacity_bytes)
-        solution = next((s for s in front if s.peak_bytes <= room), None)
-        if solution is None and not complete:
-            solution = solve.solve(chain, room)
-        if solution is None:
-            continue
-        found = model.candidate(sizes, chain, solution)
-        per_size.append(found)
-        if best is None or (found.seconds_per_step, found.peak_bytes) < (
-            best.seconds_per_step,
-            best.peak_bytes,
-        ):
-            best = found
-    if minimum is None:  # candidate_sizes is never empty for per_rank_batch >= 1
-        raise ValueError("search: per_rank_batch must be >= 1")
-    return SearchResult(
-        best=best, frontier=tuple(pareto(points)), minimum=minimum, candidates=tuple(per_size)
-    )
+        fitting = [c for c in priced if c.peak_bytes <= capacity_bytes]
+        if not fitting:  # nothing on the frontier fits: the fastest choice that fits both phases
+            solution = solve.solve(both, model.room(sizes, capacity_bytes))
+            fitting = [model.price(sizes, solution.choice)] if solution is not None else []
+        for found in fitting:
+            if best is None or (found.seconds_per_step, found.peak_bytes) < (
+                best.seconds_per_step,
+                best.peak_bytes,
+            ):
+                best = found
+    if minimum is None:
+        raise ConfigError(f"per_rank_batch must be >= 1, got {per_rank_batch}")
+    return SearchResult(best=best, frontier=tuple(pareto(points)), minimum=minimum)

@@ -15,7 +15,11 @@ P_{k-1}, and so does its backward: by then every later segment has released what
 
     activation peak = max_k (P_{k-1} + peak_bytes[k, o_k])
 
-and the policy problem for a capacity C is: minimise sum_k extra_seconds[k, o_k] subject to
+This sharpens "everything kept + the largest transient" (P_L + max_k transient_k, an upper bound
+of it): a block recomputed late in the backward pass no longer sits on top of what later blocks
+kept, so checkpointing early blocks buys more than checkpointing late ones.
+
+The policy problem for a capacity C is: minimise sum_k extra_seconds[k, o_k] subject to
 P_{k-1} + peak_bytes[k, o_k] <= C for every k. Each block picks one of its options (a
 multiple-choice knapsack) and the constraint holds at every prefix.
 
@@ -159,20 +163,37 @@ def solve(
 
 
 def minimum_peak(segments: Sequence[Segment]) -> Solution:
-    """The choice with the lowest activation peak (fastest among those), whatever it costs in time."""
-    best = solve(segments, math.inf)
-    if best is None:  # unreachable: with unbounded capacity every choice fits
-        raise ConfigError("policy solver: no choice fits an unbounded capacity")
-    # The least feasible capacity is an achievable peak, between 0 and any solution's peak.
-    low, high = 0, best.peak_bytes
-    while low < high:
-        middle = (low + high) // 2
-        found = solve(segments, middle)
-        if found is None:
-            low = middle + 1
-        else:
-            best, high = found, found.peak_bytes
-    return best
+    """The choice with the lowest activation peak, whatever it costs in time.
+
+    Dynamic programming over the chain with the Pareto set of (P_k, peak so far): a partial plan
+    that keeps no more and has peaked no higher than another is as good for every continuation.
+    """
+    empty = [segment.name for segment in segments if not segment.options]
+    if empty:
+        raise ConfigError(f"policy solver: segment(s) {', '.join(empty)} have no options")
+    # (kept, peak, seconds, choice), pruned to the states no other beats in both kept and peak.
+    states: list[tuple[int, int, float, tuple[int, ...]]] = [(0, 0, 0.0, ())]
+    for segment in segments:
+        grown = [
+            (
+                kept + option.kept_bytes,
+                max(peak, kept + option.peak_bytes),
+                seconds + option.extra_seconds,
+                (*choice, i),
+            )
+            for kept, peak, seconds, choice in states
+            for i, option in enumerate(segment.options)
+        ]
+        grown.sort(key=lambda state: (state[0], state[1], state[2]))
+        states, lowest_peak = [], math.inf
+        for state in grown:
+            if state[1] < lowest_peak:
+                states.append(state)
+                lowest_peak = state[1]
+        if len(states) > DEFAULT_MAX_STATES:
+            states = states[:: math.ceil(len(states) / DEFAULT_MAX_STATES)] + states[-1:]
+    best = min(states, key=lambda state: (state[1], state[2]))
+    return evaluate(segments, best[3])
 
 
 def frontier(segments: Sequence[Segment], *, max_points: int = 64) -> list[Solution]:

@@ -60,8 +60,7 @@ DEFAULT_MAX_PROFILE_SIZE = 16
 
 @dataclass(frozen=True)
 class TrialResult:
-    peak_bytes: int  # what the budget is checked against
-    tracked_peak_bytes: int  # MemoryTracker's peak
+    peak_bytes: int  # MemoryTracker's peak, or the CUDA allocator's where that is higher
     cuda_max_allocated_bytes: int | None
 
 
@@ -101,7 +100,7 @@ def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
     measured = tracker.peak_bytes
     if tracker.cuda_max_allocated_bytes is not None:
         measured = max(measured, tracker.cuda_max_allocated_bytes)
-    return TrialResult(measured, tracker.peak_bytes, tracker.cuda_max_allocated_bytes)
+    return TrialResult(measured, tracker.cuda_max_allocated_bytes)
 
 
 def trial_sizes(micro_batch_sizes: Sequence[int]) -> list[int]:
@@ -196,7 +195,7 @@ def _faster_without_margin(
     ).best
     if bold is None or (safe is not None and bold.seconds_per_step >= safe.seconds_per_step):
         return None
-    model = Model(profile, per_rank_batch=per_rank_batch, correction_bytes=correction_bytes)
+    model = Model(profile, correction_bytes=correction_bytes)
     return model.evaluate(bold.micro_batch_sizes, dict(bold.block_policies))
 
 
@@ -337,6 +336,7 @@ def plan(
         predicted_seconds_per_step=chosen.seconds_per_step,
         peak_parts=chosen.parts,
         frontier=_frontier(result),
+        minimum_bytes=result.minimum.peak_bytes,
         cuda_max_allocated_bytes=measured.cuda_max_allocated_bytes if measured is not None else None,
         trials=trials,
         planning_seconds=time.perf_counter() - began,

@@ -110,23 +110,43 @@ class Fit:
 
 @dataclass(frozen=True)
 class PolicyCost:
-    """A segment's costs under one policy, each as a function of the micro-batch size."""
+    """A segment's costs under one policy, each as a function of the micro-batch size.
+
+    ``kept_bytes`` and ``peak_bytes`` are the steady state, from the second call of a checkpointed
+    block on. ``first_kept_bytes`` and ``first_peak_bytes`` are its first call, where they differ:
+    a selective checkpoint learns in its first recompute which outputs it need not keep, so the
+    first forward of a freshly checkpointed block can keep more.
+    """
 
     kept_bytes: Fit
     peak_bytes: Fit
     forward_seconds: Fit
     backward_seconds: Fit
+    first_kept_bytes: Fit | None = None
+    first_peak_bytes: Fit | None = None
 
     def seconds(self, micro_batch_size: float) -> float:
         return self.forward_seconds(micro_batch_size) + self.backward_seconds(micro_batch_size)
 
+    def kept(self, micro_batch_size: float, *, first: bool = False) -> float:
+        fit = self.first_kept_bytes if first and self.first_kept_bytes is not None else self.kept_bytes
+        return fit(micro_batch_size)
+
+    def peak(self, micro_batch_size: float, *, first: bool = False) -> float:
+        fit = self.first_peak_bytes if first and self.first_peak_bytes is not None else self.peak_bytes
+        return fit(micro_batch_size)
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "kept_bytes": self.kept_bytes.to_dict(),
             "peak_bytes": self.peak_bytes.to_dict(),
             "forward_seconds": self.forward_seconds.to_dict(),
             "backward_seconds": self.backward_seconds.to_dict(),
         }
+        if self.first_kept_bytes is not None and self.first_peak_bytes is not None:
+            data["first_kept_bytes"] = self.first_kept_bytes.to_dict()
+            data["first_peak_bytes"] = self.first_peak_bytes.to_dict()
+        return data
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ from torch import nn
 from ..accumulate import Accumulator
 from ..batching import move_batch
 from ..checkpoint import POLICIES, BlockSpec, checkpoint, find_blocks
-from ..errors import ConfigError, InfeasibleBudgetError, WorkloadError
+from ..errors import CheckpointError, ConfigError, InfeasibleBudgetError, WorkloadError
 from ..memory import MemoryTracker, device_memory_bytes
 from ..workload import Workload
 from .costs import BYTES_FLOOR, NONE, SECONDS_FLOOR, Fit, PolicyCost, Profile, SegmentProfile
-from .timeline import BEFORE, END, END_FORWARD, Recorder, Run, split, unique_bytes
+from .timeline import BEFORE, END, END_FORWARD, Recorder, Run, SegmentRun, gap_names, split, unique_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -187,10 +187,11 @@ def profile_workload(
     """Measure ``workload`` for the planner (see the package docstring).
 
     ``micro_batch_sizes`` defaults to 1, half of ``max_micro_batch_size`` and all of it. Each
-    (policy, size) gets one tracked run for memory (it also warms up) and ``warmup`` untimed runs;
-    then ``repeats`` rounds time every (policy, size) once each, in turn, so that a slow moment of
-    a shared machine hits every policy alike. Sizes that run out of memory are dropped. The batches
-    come from the workload's make_batch; the model is left as it was.
+    (policy, size) gets tracked runs for memory under a fresh checkpoint: its first call and the
+    steady state after it. Then ``warmup`` untimed and ``repeats`` timed rounds run every
+    (policy, size) once each, in turn, so that a slow moment of a shared machine hits every policy
+    alike. Sizes that run out of memory are dropped. The batches come from the workload's
+    make_batch; the model is left as it was.
     """
     began = time.perf_counter()
     model, device = workload.model, workload.device
@@ -199,8 +200,7 @@ def profile_workload(
         raise ConfigError(f"micro_batch_sizes must be positive integers, got {micro_batch_sizes!r}")
     if repeats < 1 or warmup < 0:
         raise ConfigError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
-    found = find_blocks(model, blocks)
-    chosen = _policies(policies, device)
+    found, chosen, notes = _blocks_and_policies(model, blocks, policies, device)
     with preserved_state(model):
         model.train()
         for parameter in model.parameters():
@@ -214,24 +214,13 @@ def profile_workload(
                 minimum_bytes=device_memory_bytes(device),
             )
         session = _Session(workload, found, optimizer, chosen, sizes, progress)
-        session.total_runs = len(chosen) * len(sizes) * (1 + warmup + repeats)
-        for policy in session.policies:  # memory, and the warm-up
-            with session.applied(policy):
-                for size in list(session.sizes):
-                    tracked = session.run(policy, size, track=True)
-                    if tracked is None:
-                        break
-                    session.memory_runs[policy, size] = tracked
-                    for _ in range(warmup):
-                        session.run(policy, size, track=False)
-        for _ in range(repeats):  # time, round by round
-            for policy in session.policies:
-                with session.applied(policy):
-                    for size in list(session.sizes):
-                        timed = session.run(policy, size, track=False)
-                        if timed is None:
-                            break
-                        session.timed_runs.setdefault((policy, size), []).append(timed)
+        session.notes.extend(notes)
+        checkpointed = len(chosen) - 1
+        session.total_runs = len(sizes) * (1 + 2 * checkpointed) + (warmup + repeats) * (
+            len(chosen) * len(sizes) + checkpointed
+        )
+        session.measure_memory()
+        session.measure_time(warmup=warmup, repeats=repeats)
     if progress is not None:
         progress("done", session.total_runs, session.total_runs)
     static, step_peak_bytes, step_seconds = step
@@ -241,6 +230,7 @@ def profile_workload(
         sizes=session.sizes,
         policies=session.policies,
         memory_runs=session.memory_runs,
+        first_runs=session.first_runs,
         timed_runs=session.timed_runs,
         static=static,
         optimizer_name=type(optimizer).__name__,
@@ -252,14 +242,28 @@ def profile_workload(
     )
 
 
-def _policies(policies: Sequence[str] | None, device: torch.device) -> tuple[str, ...]:
+def _blocks_and_policies(
+    model: nn.Module, blocks: BlockSpec, policies: Sequence[str] | None, device: torch.device
+) -> tuple[list[tuple[str, nn.Module]], tuple[str, ...], list[str]]:
+    """The blocks to profile, the policies to run them under ("none" first), and notes."""
     chosen = tuple(policies) if policies is not None else default_policies(device)
     unknown = [p for p in chosen if p not in (NONE, *POLICIES)]
     if unknown:
         raise ConfigError(
             f"policies: {unknown} are not checkpoint policies; choose from none, {', '.join(POLICIES)}"
         )
-    return chosen if NONE in chosen else (NONE, *chosen)
+    chosen = chosen if NONE in chosen else (NONE, *chosen)
+    try:
+        return find_blocks(model, blocks), chosen, []
+    except CheckpointError:
+        if blocks != "auto":
+            raise
+    # Nothing repeats: the micro-batch size is still worth planning, without checkpointing.
+    note = (
+        f"blocks='auto' found no repeated blocks in {type(model).__name__}: planning the micro-batch "
+        "size only; name blocks (blocks=[...], --blocks) to let the planner checkpoint them"
+    )
+    return [], (NONE,), [note]
 
 
 class _Session:
@@ -277,9 +281,38 @@ class _Session:
         self.workload, self.blocks, self.optimizer = workload, blocks, optimizer
         self.policies, self.sizes, self.progress = policies, sizes, progress
         self.memory_runs: dict[tuple[str, int], Run] = {}
+        self.first_runs: dict[tuple[str, int], Run] = {}
         self.timed_runs: dict[tuple[str, int], list[Run]] = {}
         self.notes: list[str] = []
         self.total_runs = self.done_runs = 0
+
+    def measure_memory(self) -> None:
+        """Tracked runs: under a fresh checkpoint per size, its first call, then the steady state."""
+        for policy in self.policies:
+            for size in list(self.sizes):
+                if size not in self.sizes:
+                    break
+                with self.applied(policy):
+                    first = self.run(policy, size, track=True)
+                    steady = self.run(policy, size, track=True) if first and policy != NONE else first
+                if first is None or steady is None:
+                    break
+                self.first_runs[policy, size] = first
+                self.memory_runs[policy, size] = steady
+
+    def measure_time(self, *, warmup: int, repeats: int) -> None:
+        """Timed runs, round by round; each checkpoint's first (learning) call is not timed."""
+        for round_index in range(warmup + repeats):
+            for policy in self.policies:
+                with self.applied(policy):
+                    if policy != NONE and self.run(policy, self.sizes[0], track=False) is None:
+                        continue
+                    for size in list(self.sizes):
+                        timed = self.run(policy, size, track=False)
+                        if timed is None:
+                            break
+                        if round_index >= warmup:
+                            self.timed_runs.setdefault((policy, size), []).append(timed)
 
     def applied(self, policy: str) -> contextlib.AbstractContextManager[Any]:
         """Every block under ``policy`` for the duration of the ``with`` block."""
@@ -308,7 +341,7 @@ class _Session:
             f"micro-batch {size} ran out of memory while profiling (policy {policy}); dropped it"
         )
         self.sizes[:] = [s for s in self.sizes if s < size]
-        for runs in (self.memory_runs, self.timed_runs):
+        for runs in (self.memory_runs, self.first_runs, self.timed_runs):
             for key in [key for key in runs if key[1] >= size]:
                 del runs[key]
         if not self.sizes:
@@ -329,7 +362,7 @@ def _gradient_bytes(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -
         params = [p for p in module.parameters() if p.requires_grad]
         result[name] = unique_bytes(params, seen)
     rest = [p for p in model.parameters() if p.requires_grad]
-    result["(after blocks)"] = unique_bytes(rest, seen)
+    result[gap_names([name for name, _ in blocks])[-1]] = unique_bytes(rest, seen)
     return result
 
 
@@ -342,6 +375,36 @@ def _activation_peak(parts: Sequence[tuple[float, float]]) -> float:
     return peak
 
 
+def _policy_cost(
+    sizes: Sequence[int],
+    *,
+    steady: Sequence[SegmentRun],
+    first: Sequence[SegmentRun],
+    timed: Sequence[Sequence[SegmentRun]],
+) -> PolicyCost:
+    """One segment's fits under one policy: bytes from the tracked runs, seconds from the timed ones."""
+
+    def bytes_fit(runs: Sequence[SegmentRun], quantity: str) -> Fit:
+        return Fit.of(sizes, [getattr(run, quantity) for run in runs], interpolate=True)
+
+    def seconds_fit(quantity: str) -> Fit:
+        medians = [statistics.median(getattr(run, quantity) for run in runs) for runs in timed]
+        return Fit.of(sizes, medians, nonnegative=True)
+
+    differs = any(
+        (a.kept_bytes, a.peak_bytes) != (b.kept_bytes, b.peak_bytes)
+        for a, b in zip(first, steady, strict=True)
+    )
+    return PolicyCost(
+        kept_bytes=bytes_fit(steady, "kept_bytes"),
+        peak_bytes=bytes_fit(steady, "peak_bytes"),
+        forward_seconds=seconds_fit("forward_seconds"),
+        backward_seconds=seconds_fit("backward_seconds"),
+        first_kept_bytes=bytes_fit(first, "kept_bytes") if differs else None,
+        first_peak_bytes=bytes_fit(first, "peak_bytes") if differs else None,
+    )
+
+
 def _assemble(
     *,
     workload: Workload,
@@ -349,6 +412,7 @@ def _assemble(
     sizes: Sequence[int],
     policies: Sequence[str],
     memory_runs: Mapping[tuple[str, int], Run],
+    first_runs: Mapping[tuple[str, int], Run],
     timed_runs: Mapping[tuple[str, int], Sequence[Run]],
     static: Mapping[str, int],
     optimizer_name: str,
@@ -359,29 +423,19 @@ def _assemble(
     seconds: float,
 ) -> Profile:
     """Fit every measured quantity over the sizes and build the Profile."""
-    first = memory_runs[NONE, sizes[0]]
-    block_names = set(first.order)
+    reference = memory_runs[NONE, sizes[0]]
+    block_names = set(reference.order)
     segments: list[SegmentProfile] = []
     not_linear: list[str] = []
-    for name in first.segments:
+    for name in reference.segments:
         is_block = name in block_names
         costs: dict[str, PolicyCost] = {}
         for policy in policies if is_block else (NONE,):
-            memory = [memory_runs[policy, size].segments[name] for size in sizes]
-            timed = [[run.segments[name] for run in timed_runs[policy, size]] for size in sizes]
-            cost = PolicyCost(
-                kept_bytes=Fit.of(sizes, [run.kept_bytes for run in memory], interpolate=True),
-                peak_bytes=Fit.of(sizes, [run.peak_bytes for run in memory], interpolate=True),
-                forward_seconds=Fit.of(
-                    sizes,
-                    [statistics.median(r.forward_seconds for r in runs) for runs in timed],
-                    nonnegative=True,
-                ),
-                backward_seconds=Fit.of(
-                    sizes,
-                    [statistics.median(r.backward_seconds for r in runs) for runs in timed],
-                    nonnegative=True,
-                ),
+            cost = _policy_cost(
+                sizes,
+                steady=[memory_runs[policy, size].segments[name] for size in sizes],
+                first=[first_runs[policy, size].segments[name] for size in sizes],
+                timed=[[run.segments[name] for run in timed_runs[policy, size]] for size in sizes],
             )
             for quantity in ("kept_bytes", "peak_bytes", "forward_seconds", "backward_seconds"):
                 fit: Fit = getattr(cost, quantity)
@@ -423,13 +477,14 @@ def _assemble(
     loop = Fit.of(sizes, outside_segments, nonnegative=True)
     # Slack: how far each tracked run's peak exceeded what the fitted chain predicts for it.
     slack = 0.0
-    for (policy, size), run in memory_runs.items():
-        parts = []
-        for segment in segments:
-            cost = segment.costs.get(policy, segment.costs[NONE])
-            parts.append((cost.kept_bytes(size), cost.peak_bytes(size)))
-        predicted = static_bytes + base(size) + _activation_peak(parts)
-        slack = max(slack, run.peak_bytes - predicted)
+    for runs, first_call in ((memory_runs, False), (first_runs, True)):
+        for (policy, size), run in runs.items():
+            parts = []
+            for segment in segments:
+                cost = segment.costs.get(policy, segment.costs[NONE])
+                parts.append((cost.kept(size, first=first_call), cost.peak(size, first=first_call)))
+            predicted = static_bytes + base(size) + _activation_peak(parts)
+            slack = max(slack, run.peak_bytes - predicted)
     for note in notes:
         logger.info("profile of %s: %s", workload.name, note)
     return Profile(

@@ -22,6 +22,7 @@ from ..errors import WorkloadError
 from ..memory import MemoryTracker
 
 BEFORE, END_FORWARD, END = "start", "end forward", "end"
+WHOLE_MODEL = "(whole model)"
 
 
 def _first_grad_tensor(value: Any) -> torch.Tensor | None:
@@ -152,7 +153,12 @@ class Recorder:
 
 
 def gap_names(order: Sequence[str]) -> list[str]:
-    """Names of the parts outside blocks: before the first, between neighbours, after the last."""
+    """Names of the parts outside blocks: before the first, between neighbours, after the last.
+
+    Without blocks the whole model is one part, "(whole model)".
+    """
+    if not order:
+        return [WHOLE_MODEL, WHOLE_MODEL]
     between = [f"(between {a} and {b})" for a, b in itertools.pairwise(order)]
     return ["(before blocks)", *between, "(after blocks)"]
 
