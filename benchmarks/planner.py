@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(report, command.strip(), load)
     plot_plan: Plan | None = report.pop("plot_plan")
     write = not (args.no_write or args.quick)
-    if write and plot_plan is not None:
+    if write and plot_plan is not None:  # the image, also under `microbatch bench`
         save_frontier_plot(
             plot_plan,
             str(HERE / "frontier.png"),
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             baselines=report.pop("plot_baselines"),
         )
     report.pop("plot_baselines", None)
-    if write:
+    if write and not args.json:  # with --json, `microbatch bench` writes the section
         results.write_section("Planner", text)
     report["environment"] = results.environment()
     if args.json:

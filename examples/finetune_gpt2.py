@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
+import microbatch as mb
 from microbatch import hf
-from microbatch.planner import plan
 
 
 def main(argv: Sequence[str] | None = None) -> list[float]:
@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> list[float]:
     workload = hf.causal_lm_workload(
         model, hf.StdlibTextBatches(max_length=64, seed=0), name="tiny-gpt2-finetune"
     )
-    the_plan = plan(workload, batch=args.batch, memory=args.memory, max_profile_micro_batch_size=8)
+    the_plan = mb.plan(workload, batch=args.batch, memory=args.memory, max_profile_micro_batch_size=8)
     print(the_plan)
     print()
 

@@ -21,10 +21,11 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-ckpt = importlib.import_module("microbatch.checkpoint")  # the module; mb.checkpoint is the function
 from microbatch.checkpoint import POLICIES, checkpoint, find_blocks
 from microbatch.errors import CheckpointError, ConfigError
 from microbatch.memory import MemoryTracker
+
+ckpt = importlib.import_module("microbatch.checkpoint")  # the module; mb.checkpoint is the function
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 EXACT = {"rtol": 0.0, "atol": 0.0}

@@ -376,9 +376,7 @@ def test_resume_without_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 # ------------------------------------------------------------------------------------------ SIGINT
 
-_TRAIN_SCRIPT = (
-    "import sys; import microbatch.cli as cli; sys.exit(cli.main(['train', *sys.argv[1:]]))"
-)
+_TRAIN_SCRIPT = "import sys; import microbatch.cli as cli; sys.exit(cli.main(['train', *sys.argv[1:]]))"
 
 
 @pytest.mark.slow

@@ -14,6 +14,8 @@ from .batchnorm import convert_batchnorm_to_groupnorm, corrected_momentum
 from .checkpoint import CheckpointHandle, checkpoint, find_blocks
 from .errors import MicrobatchError
 from .memory import MemoryTracker, format_bytes, parse_bytes
+from .planner import FrontierPoint, Plan, plan
+from .profile import Profile, profile_workload
 from .verify import VerifyReport, verify
 from .workload import Workload, load_workload
 
@@ -21,8 +23,8 @@ __all__ = [
     "Accumulator",
     "CheckpointHandle",
     "MemoryTracker",
-    "MicrobatchError",
     "Micro",
+    "MicrobatchError",
     "VerifyReport",
     "WindowStats",
     "Workload",
@@ -35,6 +37,8 @@ __all__ = [
     "format_bytes",
     "load_workload",
     "parse_bytes",
+    "plan",
+    "profile_workload",
     "schedules",
     "verify",
 ]

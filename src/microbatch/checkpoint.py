@@ -56,7 +56,13 @@ _MARKER = "_microbatch_checkpoint_policy"
 _NORM_WITH_RUNNING_STATS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 # Argument names through which a block receives a cache it would write into.
 _CACHE_SWITCHES = ("use_cache",)
-_CACHE_OBJECTS = ("past_key_values", "past_key_value", "layer_past", "kv_cache", "cache")  # "cache": transformers 5
+_CACHE_OBJECTS = (
+    "past_key_values",
+    "past_key_value",
+    "layer_past",
+    "kv_cache",
+    "cache",
+)  # "cache": transformers 5
 # Matmul-like aten ops whose outputs the selective policy saves (everything else is recomputed).
 # These are all the ops FlopCounterMode counts, so selective recomputation adds no FLOPs.
 _MATMUL_OP_NAMES = (

@@ -69,7 +69,9 @@ def seed_linear() -> Workload:
         # The seed example's 32 samples first; larger batches are drawn afresh.
         if batch_size <= inputs.shape[0]:
             return inputs[:batch_size], targets[:batch_size]
-        return torch.randn(batch_size, 16, generator=generator), torch.randn(batch_size, 1, generator=generator)
+        return torch.randn(batch_size, 16, generator=generator), torch.randn(
+            batch_size, 1, generator=generator
+        )
 
     def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
         x, y = batch

@@ -486,7 +486,7 @@ def _assemble(
             predicted = static_bytes + base(size) + _activation_peak(parts)
             slack = max(slack, run.peak_bytes - predicted)
     for note in notes:
-        logger.info("profile of %s: %s", workload.name, note)
+        logger.debug("profile of %s: %s", workload.name, note)  # also in the plan's notes
     return Profile(
         name=workload.name,
         device=str(device),
