@@ -22,9 +22,12 @@ from .workload import Workload, load_workload
 __all__ = [
     "Accumulator",
     "CheckpointHandle",
+    "FrontierPoint",
     "MemoryTracker",
     "Micro",
     "MicrobatchError",
+    "Plan",
+    "Profile",
     "VerifyReport",
     "WindowStats",
     "Workload",
