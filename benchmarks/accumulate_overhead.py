@@ -412,14 +412,6 @@ def section(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def reproducing_command(argv: list[str], *, json_mode: bool) -> str:
-    """The command that remakes this section: ``microbatch bench`` when it ran the script, else python."""
-    rest = [arg for arg in argv if arg != "--json"]
-    if json_mode and set(rest) <= {"--quick"}:
-        return "microbatch bench" + (" --quick" if rest else "") + " accumulate_overhead"
-    return " ".join(["python", f"benchmarks/{Path(__file__).name}", *rest])
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="micro-batches per optimizer step")
@@ -445,7 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     # With --json, stdout carries the JSON object alone.
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
         result = run(args)
-    result["command"] = reproducing_command(sys.argv[1:] if argv is None else list(argv), json_mode=args.json)
+    result["command"] = results.reproducing_command(
+        "accumulate_overhead", sys.argv[1:] if argv is None else list(argv), json_mode=args.json
+    )
     text = section(result)
     if args.json:
         print(json.dumps({"title": SECTION_TITLE, "markdown": text, **result}, indent=2))

@@ -224,14 +224,6 @@ def markdown(report: dict[str, Any], command: str, load_average: str) -> str:
     return "\n".join(lines)
 
 
-def reproducing_command(argv: list[str], *, json_mode: bool) -> str:
-    """The command that remakes this section: ``microbatch bench`` when it ran the script, else python."""
-    rest = [arg for arg in argv if arg != "--json"]
-    if json_mode and set(rest) <= {"--quick"}:
-        return "microbatch bench" + (" --quick" if rest else "") + " checkpoint_overhead"
-    return " ".join(["python", "benchmarks/checkpoint_overhead.py", *rest])
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -272,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
             device=torch.device(args.device),
         )
     report["environment"] = results.environment()
-    command = reproducing_command(sys.argv[1:] if argv is None else list(argv), json_mode=args.json)
+    command = results.reproducing_command(
+        "checkpoint_overhead", sys.argv[1:] if argv is None else list(argv), json_mode=args.json
+    )
     load = ", ".join(f"{value:.1f}" for value in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
     report["load_average"] = load
     text = markdown(report, command, load)

@@ -119,14 +119,6 @@ def stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def reproducing_command(argv: list[str], *, json_mode: bool) -> str:
-    """The command that remakes this section: ``microbatch bench`` when it ran the script, else python."""
-    rest = [arg for arg in argv if arg != "--json"]
-    if json_mode and set(rest) <= {"--quick"}:
-        return "microbatch bench" + (" --quick" if rest else "") + " distributed"
-    return " ".join(["python", "benchmarks/distributed.py", *rest])
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -139,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
-    command = reproducing_command(sys.argv[1:] if argv is None else list(argv), json_mode=args.json)
+    command = results.reproducing_command(
+        "distributed", sys.argv[1:] if argv is None else list(argv), json_mode=args.json
+    )
     config = {
         "width": 2048,
         "depth": 6,

@@ -130,3 +130,11 @@ def write_section(title: str, markdown: str, *, path: str | os.PathLike[str] | N
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text("\n".join(out), encoding="utf-8")
     return target
+
+
+def reproducing_command(suite: str, argv: Sequence[str], *, json_mode: bool) -> str:
+    """The command that remakes a suite's section: ``microbatch bench`` when it ran it, else python."""
+    rest = [arg for arg in argv if arg != "--json"]
+    if json_mode and set(rest) <= {"--quick"}:
+        return "microbatch bench" + (" --quick" if rest else "") + f" {suite}"
+    return " ".join(["python", f"benchmarks/{suite}.py", *rest])
