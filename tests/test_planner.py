@@ -119,6 +119,20 @@ def test_budget_below_the_static_memory(gpt: tuple[Workload, Profile]) -> None:
     assert caught.value.minimum_bytes == peak_range(profile, BATCH)[0]
 
 
+def test_budget_below_the_weights_fails_before_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    workload = lm_varlen()
+    weights = sum(p.numel() * p.element_size() for p in workload.model.parameters())
+
+    def no_profiling(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("profiled although the weights alone exceed the budget")
+
+    monkeypatch.setattr("microbatch.planner.trial.profile_workload", no_profiling)
+    with pytest.raises(InfeasibleBudgetError, match="before any optimizer state") as caught:
+        plan(workload, batch=8, memory=2 * weights - 1)
+    assert caught.value.minimum_bytes == 2 * weights
+    assert caught.value.parts == {"parameters": weights, "gradients": weights}
+
+
 def test_budget_below_the_minimum_plan(gpt: tuple[Workload, Profile]) -> None:
     workload, profile = gpt
     minimum = peak_range(profile, BATCH)[0]  # with the safety margin: what the error recommends

@@ -47,12 +47,14 @@ class _Progress:
     def __init__(self) -> None:
         self.interactive = sys.stderr.isatty()
         self.last = ""
+        self.quarter = -1
 
     def __call__(self, what: str, done: int, total: int) -> None:
         line = f"planning: {what} [{done}/{total}]" if total > 1 else f"planning: {what}"
         if self.interactive:
             print(f"\r{line:<78}", end="", file=sys.stderr, flush=True)
-        elif line != self.last:
+        elif total <= 1 or done * 4 // total != self.quarter:  # in a log: the start and each quarter
+            self.quarter = done * 4 // total if total > 1 else -1
             print(line, file=sys.stderr)
         self.last = line
 

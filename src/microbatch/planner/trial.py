@@ -139,6 +139,26 @@ def _static_message(profile: Profile, budget_bytes: int) -> str | None:
     )
 
 
+def _refuse_budget_below_weights(workload: Workload, budget_bytes: int) -> None:
+    """Fail before profiling when parameters and their gradients alone exceed the budget.
+
+    This lower bound needs no measurement; the full static count (optimizer state included) comes
+    from the profile, and infeasible_error reports it.
+    """
+    parameter_bytes = sum(p.numel() * p.element_size() for p in workload.model.parameters())
+    gradient_bytes = sum(p.numel() * p.element_size() for p in workload.model.parameters() if p.requires_grad)
+    total = parameter_bytes + gradient_bytes
+    if total > budget_bytes:
+        raise InfeasibleBudgetError(
+            f"parameters {format_bytes(parameter_bytes)} + gradients {format_bytes(gradient_bytes)} = "
+            f"{format_bytes(total)} already exceed the budget memory={format_bytes(budget_bytes)}, before "
+            "any optimizer state or activation; no micro-batch size or checkpointing can fit. Raise memory, "
+            "or shrink the model (FSDP across more ranks, frozen parameters)",
+            minimum_bytes=total,
+            parts={"parameters": parameter_bytes, "gradients": gradient_bytes},
+        )
+
+
 def infeasible_error(profile: Profile, result: SearchResult, budget_bytes: int) -> InfeasibleBudgetError:
     """The error for a budget below every plan, saying the minimum and what it is made of."""
     minimum = result.minimum
@@ -252,6 +272,7 @@ def plan(
         workload = load_workload(workload)
     per_rank_batch = _validate(batch, world_size)
     budget_bytes = parse_bytes(memory, device=workload.device, name="memory")
+    _refuse_budget_below_weights(workload, budget_bytes)
     if profile is None:
         profile = profile_workload(
             workload,
