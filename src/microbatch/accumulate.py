@@ -397,7 +397,9 @@ class Accumulator:
 
         if not padding:
             self._items += items_value
-            self._loss_sum = self._loss_sum + loss.detach().reshape(()).double() * items_value
+            # Summed on the loss's device, no host sync per micro-batch; float64 where the device has it.
+            sum_dtype = torch.float32 if loss.device.type == "mps" else torch.float64
+            self._loss_sum = self._loss_sum + loss.detach().reshape(()).to(sum_dtype) * items_value
         self._micro_batches += 1
         if self._current is not None:
             self._awaiting_step = self._current.is_last
