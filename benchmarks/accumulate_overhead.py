@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import math
 import os
 import platform
@@ -440,14 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     result["command"] = results.reproducing_command(
         "accumulate_overhead", sys.argv[1:] if argv is None else list(argv), json_mode=args.json
     )
-    text = section(result)
-    if args.json:
-        print(json.dumps({"title": SECTION_TITLE, "markdown": text, **result}, indent=2))
-        return 0
-    print(json.dumps(result, indent=2))
-    if not args.no_write:
-        results.write_section(SECTION_TITLE, text)
-    return 0
+    return results.emit(SECTION_TITLE, section(result), result, json_mode=args.json, write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import os
 import statistics
 import sys
@@ -270,14 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     load = ", ".join(f"{value:.1f}" for value in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
     report["load_average"] = load
     text = markdown(report, command, load)
-    if args.json:
-        report["command"] = command
-        print(json.dumps({"title": SECTION_TITLE, "markdown": text, **report}, indent=2))
-        return 0
-    if not (args.no_write or args.quick):
-        results.write_section(SECTION_TITLE, text)
-    print(text)
-    return 0
+    report["command"] = command
+    return results.emit(
+        SECTION_TITLE, text, report, json_mode=args.json, write=not (args.no_write or args.quick)
+    )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -187,13 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         "during the run (the machine is shared): absolute seconds vary between runs; the ratio is taken "
         "within one run."
     )
-    if args.json:
-        print(json.dumps({"title": SECTION, "markdown": body, "command": command, **report}, indent=2))
-        return 0
-    print(json.dumps(report, indent=2))
-    if not args.no_write:
-        results.write_section(SECTION, body)
-    return 0
+    return results.emit(
+        SECTION, body, {"command": command, **report}, json_mode=args.json, write=not args.no_write
+    )
 
 
 if __name__ == "__main__":

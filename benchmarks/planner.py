@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import math
 import os
 import statistics
@@ -430,14 +429,8 @@ def main(argv: list[str] | None = None) -> int:
             baselines=report.pop("plot_baselines"),
         )
     report.pop("plot_baselines", None)
-    if write and not args.json:  # with --json, `microbatch bench` writes the section
-        results.write_section("Planner", text)
     report["environment"] = results.environment()
-    if args.json:
-        print(json.dumps({"title": "Planner", "markdown": text, **report}, indent=2, default=str))
-    else:
-        print(text)
-    return 0
+    return results.emit("Planner", text, report, json_mode=args.json, write=write)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ Import it from a script next to this file (``python benchmarks/x.py`` puts bench
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import re
@@ -138,3 +139,16 @@ def reproducing_command(suite: str, argv: Sequence[str], *, json_mode: bool) -> 
     if json_mode and set(rest) <= {"--quick"}:
         return "microbatch bench" + (" --quick" if rest else "") + f" {suite}"
     return " ".join(["python", f"benchmarks/{suite}.py", *rest])
+
+
+def emit(title: str, markdown: str, report: dict[str, Any], *, json_mode: bool, write: bool) -> int:
+    """A suite's last word. With --json: one JSON object on stdout (``microbatch bench`` reads its
+    ``markdown`` and writes the section). Otherwise the section is written (unless ``write`` is False)
+    and printed."""
+    if json_mode:
+        print(json.dumps({"title": title, "markdown": markdown, **report}, indent=2, default=str))
+        return 0
+    if write:
+        write_section(title, markdown)
+    print(markdown)
+    return 0
