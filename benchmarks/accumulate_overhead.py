@@ -424,12 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: least noise)")
     parser.add_argument("--profile-repeats", type=int, default=200)
     parser.add_argument("--quick", action="store_true", help="a few trials, to check that it runs")
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print JSON with the section's markdown (what microbatch bench reads); do not write RESULTS.md",
-    )
-    parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
+    results.add_output_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.trials, args.warmup_trials, args.profile_repeats = 4, 1, 20

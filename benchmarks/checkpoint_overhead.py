@@ -241,12 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="a smoke run: small batch, few rounds; RESULTS.md not written"
     )
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print JSON with the section's markdown (what microbatch bench reads); do not write RESULTS.md",
-    )
-    parser.add_argument("--no-write", action="store_true", help="do not update benchmarks/RESULTS.md")
+    results.add_output_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.batch, args.rounds, args.warmup = min(args.batch, 16), min(args.rounds, 3), min(args.warmup, 1)

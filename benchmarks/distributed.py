@@ -123,12 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="fewer trials (a smoke run)")
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print JSON with the section's markdown (what microbatch bench reads); do not write RESULTS.md",
-    )
-    parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
+    results.add_output_arguments(parser)
     args = parser.parse_args(argv)
     command = results.reproducing_command(
         "distributed", sys.argv[1:] if argv is None else list(argv), json_mode=args.json

@@ -13,6 +13,7 @@ Import it from a script next to this file (``python benchmarks/x.py`` puts bench
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -152,3 +153,13 @@ def emit(title: str, markdown: str, report: dict[str, Any], *, json_mode: bool, 
         write_section(title, markdown)
     print(markdown)
     return 0
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """--json (what ``microbatch bench`` reads; RESULTS.md untouched) and --no-write, shared by the suites."""
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON with the section's markdown (what microbatch bench reads); do not write RESULTS.md",
+    )
+    parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
