@@ -39,12 +39,11 @@ from ..batching import move_batch
 from ..checkpoint import BlockSpec, checkpoint
 from ..errors import ConfigError, InfeasibleBudgetError
 from ..memory import MemoryTracker, format_bytes, parse_bytes
+from ..oom import free_memory, is_out_of_memory
 from ..profile import (
     NONE,
     Profile,
     ProgressFn,
-    free_memory,
-    is_out_of_memory,
     preserved_state,
     profile_workload,
 )

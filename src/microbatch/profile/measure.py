@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import math
 import statistics
@@ -19,6 +18,7 @@ from ..batching import move_batch
 from ..checkpoint import POLICIES, BlockSpec, checkpoint, find_blocks
 from ..errors import CheckpointError, ConfigError, InfeasibleBudgetError, WorkloadError
 from ..memory import MemoryTracker, device_memory_bytes
+from ..oom import free_memory, is_out_of_memory
 from ..workload import Workload
 from .costs import BYTES_FLOOR, NONE, SECONDS_FLOOR, Fit, PolicyCost, Profile, SegmentProfile
 from .timeline import BEFORE, END, END_FORWARD, Recorder, Run, SegmentRun, gap_names, split, unique_bytes
@@ -26,21 +26,6 @@ from .timeline import BEFORE, END, END_FORWARD, Recorder, Run, SegmentRun, gap_n
 logger = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str, int, int], None]  # (what is running, runs done, runs in all)
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """True for torch's out-of-memory error on any device, and the CPU allocator's failure."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    text = str(error).lower()
-    return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
-
-
-def free_memory(device: torch.device) -> None:
-    """Collect garbage and hand cached device memory back after an out-of-memory error."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 @contextlib.contextmanager
