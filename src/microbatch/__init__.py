@@ -12,7 +12,15 @@ from . import distributed, schedules
 from .accumulate import Accumulator, Micro, WindowStats
 from .batchnorm import convert_batchnorm_to_groupnorm, corrected_momentum
 from .checkpoint import CheckpointHandle, checkpoint, find_blocks
-from .errors import MicrobatchError
+from .errors import (
+    CheckpointError,
+    ConfigError,
+    InfeasibleBudgetError,
+    MicrobatchError,
+    ResumeError,
+    UsageError,
+    WorkloadError,
+)
 from .memory import MemoryTracker, format_bytes, parse_bytes
 from .planner import FrontierPoint, Plan, plan
 from .profile import Profile, profile_workload
@@ -21,16 +29,22 @@ from .workload import Workload, load_workload
 
 __all__ = [
     "Accumulator",
+    "CheckpointError",
     "CheckpointHandle",
+    "ConfigError",
     "FrontierPoint",
+    "InfeasibleBudgetError",
     "MemoryTracker",
     "Micro",
     "MicrobatchError",
     "Plan",
     "Profile",
+    "ResumeError",
+    "UsageError",
     "VerifyReport",
     "WindowStats",
     "Workload",
+    "WorkloadError",
     "__version__",
     "checkpoint",
     "convert_batchnorm_to_groupnorm",

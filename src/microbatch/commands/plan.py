@@ -23,7 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--memory",
         required=True,
-        help="peak memory budget per rank: '8GiB', '300MiB', bytes, or a fraction of the device such as 0.8",
+        help="peak memory budget per rank: a size with an optional unit ('8GiB', '300MiB', '1000000' "
+        "bytes; whole bytes), or a fraction of the device's FREE memory at plan time: '80%%' or a decimal "
+        "in (0, 1] such as 0.8",
     )
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     parser.add_argument(

@@ -59,7 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help=f"effective batch in sequences per optimizer step (default {_DEFAULTS.batch})",
     )
-    add("--memory", help="peak memory budget, e.g. 300MiB, 8GiB, or 0.5 of the device (default: see above)")
+    add(
+        "--memory",
+        help="peak memory budget: a size (300MiB, 8GiB, whole bytes), or a fraction of the device's free "
+        "memory at start: 80%% or a decimal in (0, 1] such as 0.5 (default: see above)",
+    )
     add("--steps", type=int, help=f"optimizer steps in total (default {_DEFAULTS.steps})")
     add("--lr", type=float, help="peak learning rate (default: tuned per model size, e.g. 3e-3 for gpt-mini)")
     add("--precision", choices=list(PRECISIONS), help="fp32, or bf16 / fp16 autocast (fp16 with GradScaler)")

@@ -581,7 +581,7 @@ def _train(config: TrainConfig, *, progress: Callable[[StepReport], None] | None
             tokens += stats.items
             peak_bytes = peak.last_bytes
             seconds_per_step = seconds if seconds_per_step is None else 0.9 * seconds_per_step + 0.1 * seconds
-            record = {
+            record: dict[str, Any] = {
                 "step": session.step,
                 "loss": stats.loss,
                 "items": stats.items,
@@ -609,7 +609,7 @@ def _train(config: TrainConfig, *, progress: Callable[[StepReport], None] | None
                         step=session.step,
                         total_steps=config.steps,
                         loss=stats.loss,
-                        lr=stats.lr,
+                        lr=stats.lr if stats.lr is not None else float("nan"),
                         tokens_per_second=record["tokens_per_second"],
                         peak_bytes=peak_bytes,
                         eta_seconds=seconds_per_step * (config.steps - session.step),
