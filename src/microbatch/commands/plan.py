@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+from ..errors import ConfigError
 from ..planner import plan
 from ..planner.plot import save_frontier_plot
 from ..workload import BUILTIN_WORKLOADS, load_workload
@@ -65,7 +67,33 @@ class _Progress:
             print("\r" + " " * 78 + "\r", end="", file=sys.stderr, flush=True)
 
 
+def check_plot_path(path: str) -> None:
+    """Refuse a --plot path that cannot be written, before planning (so no plan is lost)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install matplotlib, or leave out --plot") from None
+    target = os.path.abspath(path)
+    folder = os.path.dirname(target)
+    if os.path.isdir(target):
+        raise ConfigError(
+            f"--plot {path} is a directory; give a file name such as {os.path.join(path, 'frontier.png')}"
+        )
+    extension = os.path.splitext(target)[1].lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if extension not in formats:
+        raise ConfigError(
+            f"--plot {path}: unknown image format {extension!r}; end it in {', '.join(sorted(formats))}"
+        )
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--plot {path}: the directory {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK) or (os.path.exists(target) and not os.access(target, os.W_OK)):
+        raise ConfigError(f"--plot {path} is not writable; choose a path you can write")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.plot:
+        check_plot_path(args.plot)
     workload = load_workload(args.model)
     blocks = (
         "auto" if args.blocks == "auto" else [name.strip() for name in args.blocks.split(",") if name.strip()]

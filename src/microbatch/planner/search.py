@@ -21,15 +21,23 @@ whose two-phase peak fits: exact when the steady phase bounds the first, as with
 checkpointing. Only the smallest b for each N is searched: with time linear in b, N
 micro-batches cost N * a + k * B_rank whatever their split, and the smallest b needs the least
 memory; every other b is dominated.
+
+The search is bounded. Up to EXACT_SEARCH_BATCH samples per rank every such b is tried (about
+2 sqrt(B_rank) of them). Above, b runs over every value up to SMALL_SIZES and a geometric grid
+(ratio GRID_RATIO) above it, O(log B_rank) sizes; then a bisection over N between the fastest
+fitting grid point and the next larger grid size finds the largest b that fits there (fitting is
+monotone in b: a larger micro-batch holds more). A window is at most MAX_STEPS_PER_WINDOW
+micro-batches, and each is priced from (size, count) pairs, never a list of N sizes.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
-from ..batching import micro_batch_sizes
 from ..errors import ConfigError
 from ..profile import NONE, Profile
 from . import solve
@@ -42,13 +50,76 @@ SAFETY_MARGIN = 0.01
 # Least extra time per policy, as a fraction of the block's forward: full and offload recompute
 # the whole forward; selective recomputes its cheap ops, taken as at least a tenth of it.
 RECOMPUTE_FLOOR = {"full": 1.0, "offload": 1.0, "selective": 0.1}
+EXACT_SEARCH_BATCH = 4096  # samples per rank up to which every micro-batch size is searched
+SMALL_SIZES = 16  # above EXACT_SEARCH_BATCH: every b up to this, then a geometric grid
+GRID_RATIO = 2 ** (1 / 4)
+MAX_STEPS_PER_WINDOW = 1_000_000  # micro-batches per optimizer step a plan may have
+
+
+class WindowSizes(Sequence[int]):
+    """A window's micro-batch sizes, [size] * (steps - 1) + [last], held as three numbers."""
+
+    __slots__ = ("last", "size", "steps")
+
+    def __init__(self, total: int, size: int) -> None:
+        if total < 1 or size < 1:
+            raise ConfigError(f"a window needs total >= 1 and size >= 1 samples, got {total} and {size}")
+        self.size = min(size, total)
+        self.steps = -(-total // self.size)
+        self.last = total - self.size * (self.steps - 1)
+
+    @property
+    def counts(self) -> tuple[tuple[int, int], ...]:
+        """(size, how many micro-batches have it), largest size first."""
+        if self.last == self.size:
+            return ((self.size, self.steps),)
+        return ((self.size, self.steps - 1), (self.last, 1))
+
+    def __len__(self) -> int:
+        return self.steps
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[int, ...]: ...
+    def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(self.steps)))
+        if index < 0:
+            index += self.steps
+        if not 0 <= index < self.steps:
+            raise IndexError(index)
+        return self.last if index == self.steps - 1 else self.size
+
+    def __iter__(self) -> Iterator[int]:
+        for _ in range(self.steps - 1):
+            yield self.size
+        yield self.last
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, WindowSizes):
+            return (self.size, self.steps, self.last) == (other.size, other.steps, other.last)
+        return isinstance(other, (tuple, list)) and len(other) == self.steps and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash((self.size, self.steps, self.last))
+
+    def __repr__(self) -> str:
+        return f"WindowSizes(size={self.size}, steps={self.steps}, last={self.last})"
+
+
+def size_counts(sizes: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """(size, count) pairs of a window's micro-batch sizes."""
+    if isinstance(sizes, WindowSizes):
+        return sizes.counts
+    return tuple(Counter(sizes).items())
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One point of the search: sizes, a policy per block, and the model's peak and time."""
 
-    micro_batch_sizes: tuple[int, ...]
+    micro_batch_sizes: Sequence[int]  # a WindowSizes from the search
     block_policies: tuple[tuple[str, str], ...]
     peak_bytes: int
     seconds_per_step: float
@@ -70,20 +141,59 @@ class SearchResult:
     minimum: Candidate  # the lowest peak any candidate reaches
 
 
+def smallest_size_for(per_rank_batch: int, size: int) -> int:
+    """The smallest b that gives the same number of micro-batches N = ceil(B_rank / size)."""
+    steps = -(-per_rank_batch // size)
+    return -(-per_rank_batch // steps)
+
+
 def candidate_sizes(per_rank_batch: int) -> list[int]:
-    """b = ceil(B_rank / N) for N = 1 .. B_rank, largest first (about 2 sqrt(B_rank) values)."""
-    return sorted({-(-per_rank_batch // steps) for steps in range(1, per_rank_batch + 1)}, reverse=True)
+    """Micro-batch sizes to search, largest first; each the smallest b for its step count N.
+
+    Up to EXACT_SEARCH_BATCH: b = ceil(B_rank / N) for every N (about 2 sqrt(B_rank) values).
+    Above: every b up to SMALL_SIZES and a geometric grid over the rest, O(log B_rank) values, with
+    N <= MAX_STEPS_PER_WINDOW.
+    """
+    if per_rank_batch <= EXACT_SEARCH_BATCH:
+        return sorted({-(-per_rank_batch // steps) for steps in range(1, per_rank_batch + 1)}, reverse=True)
+    least = max(1, -(-per_rank_batch // MAX_STEPS_PER_WINDOW))
+    wanted = set(range(least, max(least, SMALL_SIZES) + 1))
+    size = float(max(least, SMALL_SIZES))
+    while size < per_rank_batch:
+        wanted.add(int(size))
+        size *= GRID_RATIO
+    wanted.add(per_rank_batch)
+    return sorted({smallest_size_for(per_rank_batch, b) for b in wanted}, reverse=True)
 
 
 class Model:
     """The peak and time model of one profile; builds solver chains and prices their solutions."""
 
     def __init__(
-        self, profile: Profile, *, correction_bytes: int = 0, safety_margin: float = SAFETY_MARGIN
+        self,
+        profile: Profile,
+        *,
+        correction_bytes: int = 0,
+        safety_margin: float = SAFETY_MARGIN,
+        bytes_per_sample: int = 0,
     ) -> None:
         self.profile = profile
         self.correction_bytes = correction_bytes
         self.safety_margin = safety_margin
+        self.bytes_per_sample = bytes_per_sample
+
+    def batch_bytes(self, sizes: Sequence[int]) -> int:
+        """The largest micro-batch and the loop: the profile's fit, at least the batch's own tensors.
+
+        Beyond the profiled sizes the floor keeps a fit measured on a few small micro-batches (which
+        may be views of data already held, so cost nothing) from predicting that a huge micro-batch
+        costs nothing; within them the measurement stands.
+        """
+        b = largest(sizes)
+        fitted = math.ceil(self.profile.base_bytes(b))
+        if b <= max(self.profile.micro_batch_sizes, default=0):
+            return fitted
+        return max(fitted, b * self.bytes_per_sample)
 
     def _gradient_terms(self, steps: int) -> list[int]:
         segments = self.profile.segments
@@ -108,21 +218,25 @@ class Model:
         """
         # The first phase is the window's first micro-batch; the steady phase the largest later one
         # (with one micro-batch per window, every window's only one: the same size).
-        first_size, steady_size = sizes[0], max(sizes[1:], default=sizes[0])
+        counts = size_counts(sizes)
+        first_size = sizes[0]
+        # The largest after the first: all sizes but one copy of the first.
+        later = [size for size, count in counts if count > (size == first_size)]
+        steady_size = max(later, default=first_size)
         steady_gradients = self._gradient_terms(len(sizes))
         first_gradients = self._gradient_terms(1)
         chain = []
         for k, segment in enumerate(self.profile.segments):
             base = segment.costs[NONE]
-            base_seconds = sum(base.seconds(m) for m in sizes)
-            forward_seconds = sum(base.forward_seconds(m) for m in sizes)
+            base_seconds = sum(n * base.seconds(m) for m, n in counts)
+            forward_seconds = sum(n * base.forward_seconds(m) for m, n in counts)
             options = []
             for policy, cost in segment.costs.items():
                 extra = 0.0
                 if policy != NONE:
                     # A recompute repeats (part of) the forward: a smaller measured cost is noise.
                     floor = RECOMPUTE_FLOOR.get(policy, 1.0) * forward_seconds
-                    extra = max(floor, sum(cost.seconds(m) for m in sizes) - base_seconds)
+                    extra = max(floor, sum(n * cost.seconds(m) for m, n in counts) - base_seconds)
                 steady = (cost.kept(steady_size), cost.peak(steady_size) + steady_gradients[k])
                 first = (
                     cost.kept(first_size, first=True),
@@ -148,9 +262,9 @@ class Model:
     def base_seconds(self, sizes: Sequence[int]) -> float:
         """Seconds per step with no block checkpointed."""
         total = self.profile.step_seconds
-        for m in sizes:
-            total += self.profile.loop_seconds(m)
-            total += sum(segment.costs[NONE].seconds(m) for segment in self.profile.segments)
+        for m, n in size_counts(sizes):
+            total += n * self.profile.loop_seconds(m)
+            total += n * sum(segment.costs[NONE].seconds(m) for segment in self.profile.segments)
         return total
 
     def fixed_bytes(self, sizes: Sequence[int]) -> int:
@@ -159,7 +273,7 @@ class Model:
         return (
             profile.parameter_bytes
             + profile.optimizer_bytes
-            + math.ceil(profile.base_bytes(max(sizes)))
+            + self.batch_bytes(sizes)
             + profile.slack_bytes
             + self.correction_bytes
         )
@@ -169,7 +283,7 @@ class Model:
         profile = self.profile
         return (
             profile.static_bytes
-            + math.ceil(profile.base_bytes(max(sizes)))
+            + self.batch_bytes(sizes)
             + profile.step_peak_bytes
             + profile.slack_bytes
             + self.correction_bytes
@@ -192,7 +306,7 @@ class Model:
         chain_peak = max(steady.peak_bytes, first.peak_bytes)
         fixed = self.fixed_bytes(sizes)
         chain_bytes = self.activation_bytes(chain_peak)
-        parts = {**profile.static_parts(), "batch and loop": math.ceil(profile.base_bytes(max(sizes)))}
+        parts = {**profile.static_parts(), "batch and loop": self.batch_bytes(sizes)}
         if fixed + chain_bytes >= self.step_bytes(sizes):
             margin = chain_bytes - chain_peak
             # The chain's peak holds the gradients that are live then; the rest of it is activations.
@@ -211,7 +325,7 @@ class Model:
             if segment.is_block
         )
         return Candidate(
-            micro_batch_sizes=tuple(sizes),
+            micro_batch_sizes=sizes if isinstance(sizes, WindowSizes) else tuple(sizes),
             block_policies=policies,
             peak_bytes=max(fixed + chain_bytes, self.step_bytes(sizes)),
             seconds_per_step=self.base_seconds(sizes) + steady.extra_seconds,
@@ -225,6 +339,10 @@ class Model:
             wanted = policies.get(segment.name, NONE)
             choice.append(segment.policies.index(wanted) if wanted in segment.policies else 0)
         return self.price(sizes, choice)
+
+
+def largest(sizes: Sequence[int]) -> int:
+    return max(size for size, _ in size_counts(sizes))
 
 
 def pareto(candidates: Sequence[Candidate]) -> list[Candidate]:
@@ -244,35 +362,87 @@ def search(
     capacity_bytes: float,
     correction_bytes: int = 0,
     safety_margin: float = SAFETY_MARGIN,
+    bytes_per_sample: int = 0,
 ) -> SearchResult:
-    """The fastest plan whose predicted peak is <= capacity_bytes, the frontier, and the minimum."""
-    model = Model(profile, correction_bytes=correction_bytes, safety_margin=safety_margin)
-    best: Candidate | None = None
-    points: list[Candidate] = []
-    minimum: Candidate | None = None
-    for b in candidate_sizes(per_rank_batch):
-        sizes = micro_batch_sizes(per_rank_batch, b)
-        # The steady chain's frontier, priced in both phases; and the choice with the lowest peak
-        # in both phases together (a chain that bounds both), so the minimum is never missed.
-        front = solve.frontier(model.chain(sizes), max_points=FRONTIER_POINTS)
-        both = model.chain(sizes, phase=BOTH)
-        priced = [model.price(sizes, s.choice) for s in (*front, solve.minimum_peak(both))]
-        lowest = min(priced, key=lambda c: (c.peak_bytes, c.seconds_per_step))
-        if minimum is None or lowest.peak_bytes < minimum.peak_bytes:
-            minimum = lowest
-        points.extend(priced)
-        if model.step_bytes(sizes) > capacity_bytes:
-            continue
-        fitting = [c for c in priced if c.peak_bytes <= capacity_bytes]
-        if not fitting:  # nothing on the frontier fits: the fastest choice that fits both phases
-            solution = solve.solve(both, model.room(sizes, capacity_bytes))
-            fitting = [model.price(sizes, solution.choice)] if solution is not None else []
-        for found in fitting:
-            if best is None or (found.seconds_per_step, found.peak_bytes) < (
-                best.seconds_per_step,
-                best.peak_bytes,
-            ):
-                best = found
-    if minimum is None:
+    """The fastest plan whose predicted peak is <= capacity_bytes, the frontier, and the minimum.
+
+    ``bytes_per_sample``: the tensor bytes of one sample of the batch, a floor under the batch's
+    share of the peak (see Model.batch_bytes).
+    """
+    if isinstance(per_rank_batch, bool) or not isinstance(per_rank_batch, int) or per_rank_batch < 1:
         raise ConfigError(f"per_rank_batch must be >= 1, got {per_rank_batch}")
-    return SearchResult(best=best, frontier=tuple(pareto(points)), minimum=minimum)
+    model = Model(
+        profile,
+        correction_bytes=correction_bytes,
+        safety_margin=safety_margin,
+        bytes_per_sample=bytes_per_sample,
+    )
+    state = _SearchState()
+    grid = candidate_sizes(per_rank_batch)
+    for b in grid:
+        state.add(_price_size(model, WindowSizes(per_rank_batch, b), capacity_bytes))
+    if per_rank_batch > EXACT_SEARCH_BATCH and state.best is not None:
+        _refine(model, state, grid, per_rank_batch, capacity_bytes)
+    assert state.minimum is not None  # the grid is never empty
+    return SearchResult(best=state.best, frontier=tuple(pareto(state.points)), minimum=state.minimum)
+
+
+class _SearchState:
+    def __init__(self) -> None:
+        self.best: Candidate | None = None
+        self.minimum: Candidate | None = None
+        self.points: list[Candidate] = []
+
+    def add(self, priced_fitting: tuple[list[Candidate], list[Candidate]]) -> bool:
+        """Record one size's candidates; True when some of them fit."""
+        priced, fitting = priced_fitting
+        lowest = min(priced, key=lambda c: (c.peak_bytes, c.seconds_per_step))
+        if self.minimum is None or lowest.peak_bytes < self.minimum.peak_bytes:
+            self.minimum = lowest
+        self.points.extend(priced)
+        for found in fitting:
+            if self.best is None or (found.seconds_per_step, found.peak_bytes) < (
+                self.best.seconds_per_step,
+                self.best.peak_bytes,
+            ):
+                self.best = found
+        return bool(fitting)
+
+
+def _price_size(
+    model: Model, sizes: WindowSizes, capacity_bytes: float
+) -> tuple[list[Candidate], list[Candidate]]:
+    """One micro-batch size: its priced candidates, and those within the capacity."""
+    # The steady chain's frontier, priced in both phases; and the choice with the lowest peak
+    # in both phases together (a chain that bounds both), so the minimum is never missed.
+    front = solve.frontier(model.chain(sizes), max_points=FRONTIER_POINTS)
+    both = model.chain(sizes, phase=BOTH)
+    priced = [model.price(sizes, s.choice) for s in (*front, solve.minimum_peak(both))]
+    if model.step_bytes(sizes) > capacity_bytes:
+        return priced, []
+    fitting = [c for c in priced if c.peak_bytes <= capacity_bytes]
+    if not fitting:  # nothing on the frontier fits: the fastest choice that fits both phases
+        solution = solve.solve(both, model.room(sizes, capacity_bytes))
+        fitting = [model.price(sizes, solution.choice)] if solution is not None else []
+    return priced, fitting
+
+
+def _refine(
+    model: Model, state: _SearchState, grid: Sequence[int], per_rank_batch: int, capacity_bytes: float
+) -> None:
+    """Bisect N between the best grid size and the next larger one: the largest b that fits there."""
+    assert state.best is not None
+    fits_size = state.best.micro_batch_size
+    larger = [b for b in grid if b > fits_size]
+    if not larger:
+        return
+    # Fitting is monotone in b; find the smallest N in (N(larger), N(fits)) whose b still fits.
+    low_steps = -(-per_rank_batch // min(larger))  # too few steps: did not fit (or was not best)
+    high_steps = -(-per_rank_batch // fits_size)
+    while high_steps - low_steps > 1:
+        middle = (low_steps + high_steps) // 2
+        b = -(-per_rank_batch // middle)
+        if state.add(_price_size(model, WindowSizes(per_rank_batch, b), capacity_bytes)):
+            high_steps = middle
+        else:
+            low_steps = middle
