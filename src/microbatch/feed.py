@@ -30,7 +30,7 @@ def known_length(loader: Iterable[Any]) -> int | None:
         return None  # an estimate, split across workers; torch warns when it is wrong
     try:
         length = len(loader)  # type: ignore[arg-type]
-    except TypeError:
+    except (TypeError, NotImplementedError):
         return None
     return length if isinstance(length, int) and length >= 0 else None
 
