@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 from . import distributed, schedules
 from .accumulate import Accumulator, Micro, WindowStats
 from .batchnorm import convert_batchnorm_to_groupnorm, corrected_momentum
+from .cached import cached_backward
 from .checkpoint import CheckpointHandle, checkpoint, find_blocks
 from .errors import MicrobatchError
 from .memory import MemoryTracker, format_bytes, parse_bytes
@@ -32,6 +33,7 @@ __all__ = [
     "WindowStats",
     "Workload",
     "__version__",
+    "cached_backward",
     "checkpoint",
     "convert_batchnorm_to_groupnorm",
     "corrected_momentum",
