@@ -51,6 +51,9 @@ class DualEncoder(nn.Module):
     def encode(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.image(batch["image"]), self.text(batch["text"])
 
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.encode(batch)
+
 
 class InfoNCE(nn.Module):
     """Symmetric InfoNCE over the whole batch; log_scale is the learned (inverse) temperature."""

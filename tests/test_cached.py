@@ -185,3 +185,39 @@ def test_bad_input_raises_clear_errors() -> None:
 
     with pytest.raises(UsageError, match="deterministic"):
         mb.cached_backward(changes_on_replay, batch, lambda r: r.sum(), micro_batch_size=8)
+
+
+def test_accumulator_window_of_cached_batches_equals_full_step() -> None:
+    # A window of three contrastive batches (32, 32, 20): GradScaler unscales, clipping and the
+    # scheduler act once; the step equals one step on the window's sample-weighted mean loss.
+    sizes, seeds = [32, 32, 20], [31, 32, 33]
+    batches = [make_batch(n, seed=s) for n, s in zip(sizes, seeds, strict=True)]
+    encoder, loss_fn = make_models()
+    params = [*encoder.parameters(), *loss_fn.parameters()]
+    window_loss = sum(loss_fn(encoder.encode(b)) * n for b, n in zip(batches, sizes, strict=True)) / sum(
+        sizes
+    )
+    window_loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(params, 0.1)
+    with torch.no_grad():
+        for p in params:
+            p -= 0.3 * p.grad
+    expected = [p.detach().clone() for p in params]
+
+    encoder, loss_fn = make_models()
+    model = torch.nn.ModuleDict({"encoder": encoder, "loss": loss_fn})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    acc = mb.Accumulator(model, optimizer, steps=3, max_grad_norm=0.1, scheduler=scheduler, scaler=scaler)
+    stats = []
+    for micro in acc.iterate(batches):
+        mb.cached_backward(encoder.encode, micro.batch, loss_fn, micro_batch_size=8, accumulator=acc)
+        if micro.is_last:
+            stats.append(acc.step())
+    assert len(stats) == 1 and stats[0].items == sum(sizes)
+    assert stats[0].loss == pytest.approx(float(window_loss.detach()), rel=1e-12)
+    assert stats[0].grad_norm == pytest.approx(float(norm), rel=1e-10) and stats[0].grad_norm > 0.1
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.15)  # the scheduler stepped once
+    for actual, reference in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(actual.detach(), reference, **TOL)
