@@ -221,3 +221,27 @@ def test_accumulator_window_of_cached_batches_equals_full_step() -> None:
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.15)  # the scheduler stepped once
     for actual, reference in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(actual.detach(), reference, **TOL)
+
+
+def test_verify_recognises_the_coupled_loss_and_points_to_cached_backward() -> None:
+    encoder, loss_fn = make_models()
+    model = torch.nn.ModuleDict({"encoder": encoder, "loss": loss_fn})
+
+    def loss(model, batch):
+        return model["loss"](model["encoder"].encode(batch)), batch["image"].shape[0]
+
+    workload = mb.Workload(model=model, make_batch=lambda b: make_batch(b, seed=9), loss=loss, name="clip")
+    report = mb.verify(workload, batch=16, steps=4)
+    assert not report.equivalent
+    (diagnostic,) = [d for d in report.diagnostics if d.kind == "coupled"]
+    assert "cached_backward" in diagnostic.message
+    batch = make_batch(16, seed=9)
+    with torch.no_grad():
+        full = float(loss_fn(encoder.encode(batch)))
+        micro = sum(
+            float(loss_fn(encoder.encode({k: v[s : s + 4] for k, v in batch.items()})))
+            for s in range(0, 16, 4)
+        )
+    assert diagnostic.details["full_loss"] == pytest.approx(full, rel=1e-12)
+    assert diagnostic.details["micro_batch_weighted_loss"] == pytest.approx(micro / 4, rel=1e-12)
+    assert diagnostic.details["loss_rel_diff"] > 0.1
