@@ -16,12 +16,14 @@ from .checkpoint import CheckpointHandle, checkpoint, find_blocks
 from .errors import MicrobatchError
 from .memory import MemoryTracker, format_bytes, parse_bytes
 from .planner import FrontierPoint, Plan, plan
+from .planner.cached import CachedPlan, plan_cached
 from .profile import Profile, profile_workload
 from .verify import VerifyReport, verify
 from .workload import Workload, load_workload
 
 __all__ = [
     "Accumulator",
+    "CachedPlan",
     "CheckpointHandle",
     "FrontierPoint",
     "MemoryTracker",
@@ -43,6 +45,7 @@ __all__ = [
     "load_workload",
     "parse_bytes",
     "plan",
+    "plan_cached",
     "profile_workload",
     "schedules",
     "verify",

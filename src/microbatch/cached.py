@@ -106,15 +106,6 @@ def _flatten(representations: Any, *, rows: int, where: str) -> tuple[_Structure
     return structure, tensors
 
 
-def _same_structure(first: _Structure, other: _Structure) -> bool:
-    return (first.container, first.keys, first.shapes, first.dtypes) == (
-        other.container,
-        other.keys,
-        other.shapes,
-        other.dtypes,
-    )
-
-
 def _unflatten(structure: _Structure, tensors: Sequence[torch.Tensor]) -> Any:
     if structure.container is None:
         return tensors[0]
@@ -208,7 +199,7 @@ def _encode_all(run: _Run) -> list[torch.Tensor]:
         structure, tensors = _flatten(run.encode(micro), rows=rows, where=f"encode(micro-batch {index})")
         if run.structure is None:
             run.structure = structure
-        elif not _same_structure(run.structure, structure):
+        elif run.structure != structure:
             raise ConfigError(
                 f"encode(micro-batch {index}) returned representations shaped {structure.shapes} "
                 f"({structure.dtypes}, keys {structure.keys}) but micro-batch 0 gave {run.structure.shapes} "
@@ -254,7 +245,7 @@ def _replay_backward(run: _Run, grads: list[torch.Tensor]) -> None:
                 stack.enter_context(distributed.ddp_sync(ddp, enabled=sync_at_end and index == last))
             where = f"encode(micro-batch {index}) when replayed"
             structure, outputs = _flatten(run.encode(micro), rows=rows, where=where)
-            if not _same_structure(run.structure, structure):
+            if run.structure != structure:
                 raise UsageError(
                     f"{where} returned representations shaped {structure.shapes} instead of "
                     f"{run.structure.shapes}: encode must be deterministic given the batch and the RNG state"
