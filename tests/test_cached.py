@@ -171,6 +171,8 @@ def test_bad_input_raises_clear_errors() -> None:
         mb.cached_backward(lambda m: 3, batch, loss_fn, micro_batch_size=4)
     with pytest.raises(ConfigError, match="does not require grad"):
         mb.cached_backward(encoder.encode, batch, lambda r: torch.zeros(()), micro_batch_size=4)
+    with torch.no_grad(), pytest.raises(UsageError, match="no_grad"):
+        mb.cached_backward(encoder.encode, batch, loss_fn, micro_batch_size=4)
     shapes = iter([(8, 4), (8, 5)])
 
     def inconsistent(micro):

@@ -363,6 +363,10 @@ def cached_loss(
     this returns, the re-encode passes run in that backward. See ``cached_backward`` for arguments.
     """
     _check_arguments(encode, loss, micro_batch_size)
+    if not torch.is_grad_enabled():
+        raise UsageError(
+            "cached_backward / cached_loss was called under torch.no_grad(): call it with grad enabled"
+        )
     total = batch_size_of(batch)
     micro_batches = split_batch(batch, micro_batch_sizes(total, micro_batch_size))
     run = _Run(encode=encode, micro_batches=micro_batches, model=model, gather=_should_gather(gather))
