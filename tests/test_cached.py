@@ -247,3 +247,15 @@ def test_verify_recognises_the_coupled_loss_and_points_to_cached_backward() -> N
     assert diagnostic.details["full_loss"] == pytest.approx(full, rel=1e-12)
     assert diagnostic.details["micro_batch_weighted_loss"] == pytest.approx(micro / 4, rel=1e-12)
     assert diagnostic.details["loss_rel_diff"] > 0.1
+
+
+def test_distributed_and_accumulator_arguments_are_checked() -> None:
+    encoder, loss_fn = make_models()
+    batch = make_batch(8, seed=6)
+    with pytest.raises(ConfigError, match="gather=True needs an initialised"):
+        mb.cached_backward(encoder.encode, batch, loss_fn, micro_batch_size=4, gather=True)
+    with pytest.raises(ConfigError, match="accumulator must be a microbatch.Accumulator"):
+        mb.cached_backward(encoder.encode, batch, loss_fn, micro_batch_size=4, accumulator=object())
+    acc = mb.Accumulator(encoder, torch.optim.SGD(encoder.parameters(), lr=0.1))
+    with pytest.raises(ConfigError, match="different models"):
+        mb.cached_backward(encoder.encode, batch, loss_fn, micro_batch_size=4, accumulator=acc, model=loss_fn)
