@@ -254,7 +254,7 @@ def test_distributed_and_accumulator_arguments_are_checked() -> None:
     batch = make_batch(8, seed=6)
     with pytest.raises(ConfigError, match="gather=True needs an initialised"):
         mb.cached_backward(encoder.encode, batch, loss_fn, micro_batch_size=4, gather=True)
-    with pytest.raises(ConfigError, match="accumulator must be a microbatch.Accumulator"):
+    with pytest.raises(ConfigError, match=r"accumulator must be a microbatch\.Accumulator"):
         mb.cached_backward(encoder.encode, batch, loss_fn, micro_batch_size=4, accumulator=object())
     acc = mb.Accumulator(encoder, torch.optim.SGD(encoder.parameters(), lr=0.1))
     with pytest.raises(ConfigError, match="different models"):
