@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import distributed
+from .accumulate import Accumulator
 from .batching import batch_size_of, micro_batch_sizes, split_batch
 from .errors import ConfigError, UsageError
 
@@ -139,11 +140,18 @@ def _rng_devices(batch: Any) -> list[torch.device]:
     return list(devices.values())
 
 
+def _index(device: torch.device) -> tuple[int, ...]:
+    """The device argument of get_rng_state / set_rng_state: CUDA's index (current when absent)."""
+    if device.type == "cuda":
+        return (device.index if device.index is not None else torch.cuda.current_device(),)
+    return ()  # mps and others: one generator, no device argument
+
+
 def _rng_state(devices: Sequence[torch.device]) -> tuple[torch.Tensor, list[tuple[torch.device, Any]]]:
     states = []
     for device in devices:
         module = torch.get_device_module(device.type)
-        states.append((device, module.get_rng_state(device.index if device.index is not None else 0)))
+        states.append((device, module.get_rng_state(*_index(device))))
     return torch.get_rng_state(), states
 
 
@@ -152,7 +160,7 @@ def _set_rng_state(state: tuple[torch.Tensor, list[tuple[torch.device, Any]]]) -
     torch.set_rng_state(cpu_state)
     for device, device_state in device_states:
         module = torch.get_device_module(device.type)
-        module.set_rng_state(device_state, device.index if device.index is not None else 0)
+        module.set_rng_state(device_state, *_index(device))
 
 
 @contextlib.contextmanager
@@ -267,11 +275,6 @@ def _replay_backward(run: _Run, grads: list[torch.Tensor]) -> None:
                 )
             torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
         start += rows
-
-
-def _rows(grad: torch.Tensor, start: int, rows: int, scale: float) -> torch.Tensor:
-    part = grad[start : start + rows]
-    return part * scale if scale != 1.0 else part
 
 
 # ---------------------------------------------------------------------- data-parallel gather
@@ -406,12 +409,10 @@ def cached_backward(
 ) -> torch.Tensor:
     """Backpropagate ``loss(encode(batch))`` over the whole batch, encoding ``micro_batch_size`` at a time.
 
-    ``encode(micro_batch)`` returns per-sample representations (a tensor, a tuple / list or a dict of
-    tensors for several towers, samples on dim 0); ``batch`` is the recipe's whole batch (a tensor, a
-    tuple / list or a dict, samples on dim 0); ``loss(representations)`` maps the whole batch's
-    representations (same structure) to a scalar. Afterwards every parameter's ``.grad`` holds (adds)
-    the full batch's gradient, up to rounding, also with dropout (each micro-batch's RNG state is
-    replayed) and with checkpointing inside encode. Returns the loss, detached.
+    ``encode(micro_batch)`` -> per-sample representations (a tensor, or a tuple / list / dict of them
+    for several towers); ``batch``: the whole batch (tensor / tuple / list / dict, samples on dim 0);
+    ``loss(representations of the whole batch)`` -> a scalar. Every parameter's ``.grad`` then adds the
+    full batch's gradient, also with dropout (RNG replayed) and checkpointing inside encode.
 
     ``accumulator``: a ``microbatch.Accumulator`` whose window holds several such batches; the
     backward goes through ``accumulator.backward(loss, items=B)`` with B the (global) batch size, so
@@ -421,15 +422,12 @@ def cached_backward(
     once per rank. Without an accumulator, a GradScaler is applied as ``scaler.scale(cached_loss(...))
     .backward()`` with ``microbatch.cached.cached_loss``.
 
-    ``gather``: all-gather the representations over the data-parallel ranks so the loss sees the
-    global batch (default: when torch.distributed runs more than one rank); then ``model`` (or the
-    accumulator's model) must be the DistributedDataParallel module, and gradients are synchronised
-    once per call (once per window with an accumulator). What each rank holds in memory is in the
-    module docstring.
+    ``gather``: all-gather the representations over the ranks so the loss sees the global batch
+    (default: when torch.distributed runs several ranks); ``model`` (or the accumulator's) must then be
+    the DDP module; gradients sync once per call (per window with an accumulator). Memory per rank: see
+    the module docstring. Returns the loss, detached.
     """
     if accumulator is not None:
-        from .accumulate import Accumulator
-
         if not isinstance(accumulator, Accumulator):
             raise ConfigError(
                 f"accumulator must be a microbatch.Accumulator, got {type(accumulator).__name__}"
