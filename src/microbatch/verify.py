@@ -22,6 +22,8 @@ Diagnostics explain a difference instead of just reporting it:
   counts found in the batch (labels != -100, mask entries).
 - BatchNorm: each micro-batch is normalised with its own statistics. The comparison is repeated
   with the BatchNorm layers frozen (eval mode); the difference that goes away is BatchNorm's.
+- coupled: the item-weighted mean of the micro-batch losses differs from the full batch's loss
+  though the item counts agree: the samples interact (a contrastive loss; see cached_backward).
 - randomness: a model that is random in training mode (dropout) is detected by running one
   micro-batch twice under different seeds, and controlled for the comparison: dropout modules in
   eval mode, else the whole model in eval mode except BatchNorm; if neither removes it, both
@@ -79,7 +81,7 @@ class ParameterDifference:
 
 @dataclass(frozen=True)
 class Diagnostic:
-    """One finding: ``kind`` is batchnorm, item-counts, items-mismatch, randomness or unexplained."""
+    """One finding: ``kind`` is batchnorm, item-counts, items-mismatch, randomness, coupled or unexplained."""
 
     kind: str
     severity: str  # "info" or "warning"
