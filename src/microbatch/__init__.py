@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 from . import distributed, schedules
 from .accumulate import Accumulator, Micro, WindowStats
 from .batchnorm import convert_batchnorm_to_groupnorm, corrected_momentum
+from .cached import cached_backward
 from .checkpoint import CheckpointHandle, checkpoint, find_blocks
 from .errors import (
     CheckpointError,
@@ -23,12 +24,14 @@ from .errors import (
 )
 from .memory import MemoryTracker, format_bytes, parse_bytes
 from .planner import FrontierPoint, Plan, plan
+from .planner.cached import CachedPlan, plan_cached
 from .profile import Profile, profile_workload
 from .verify import VerifyReport, verify
 from .workload import Workload, load_workload
 
 __all__ = [
     "Accumulator",
+    "CachedPlan",
     "CheckpointError",
     "CheckpointHandle",
     "ConfigError",
@@ -46,6 +49,7 @@ __all__ = [
     "Workload",
     "WorkloadError",
     "__version__",
+    "cached_backward",
     "checkpoint",
     "convert_batchnorm_to_groupnorm",
     "corrected_momentum",
@@ -55,6 +59,7 @@ __all__ = [
     "load_workload",
     "parse_bytes",
     "plan",
+    "plan_cached",
     "profile_workload",
     "schedules",
     "verify",
