@@ -23,7 +23,10 @@ others finish, so every collective is matched and the gradient stays exact.
 Order inside step(), which is what the full-batch step would do:
 GradScaler unscale (once) -> normalise -> clip (once, on the accumulated gradient) ->
 optimizer step (skipped on a non-finite gradient) -> scheduler step (only when the optimizer
-stepped) -> zero_grad(set_to_none=True).
+stepped) -> zero_grad(set_to_none=True). Normalising and clipping act on the optimizer's parameters
+(the ones GradScaler unscales), as one multiply made just before the optimizer step; if the step
+raises, it is undone (and the scaler's unscale forgotten), so the window can be retried exactly or
+dropped with discard_window().
 """
 
 from __future__ import annotations
@@ -226,7 +229,7 @@ class Accumulator:
                 len(foreign),
             )
         # Every parameter whose gradient this accumulator clears at step(); it normalises and clips
-        # exactly the optimizer's (_optimizer_params): those are the ones GradScaler unscales.
+        # exactly the optimizer's parameters: those are the ones GradScaler unscales.
         self._params: list[nn.Parameter] = model_params + foreign
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         unstepped = [p for p in model_params if p.requires_grad and id(p) not in stepped]
@@ -510,7 +513,6 @@ class Accumulator:
         try:
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)  # skips by itself when unscale_ found inf/nan
-                self.scaler.update()
             elif not skipped:
                 self.optimizer.step()
             else:
@@ -520,6 +522,8 @@ class Accumulator:
         except BaseException:
             self._restore_grads(grads, multiplier)
             raise
+        if self.scaler is not None:
+            self.scaler.update()
         if not skipped and self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
