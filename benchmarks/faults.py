@@ -675,8 +675,11 @@ def same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def kill_case(work: str, index: int, reference: dict[str, Any], steps: int, when: float | None) -> Case:
-    """kill -9 at ``when`` seconds (None: the moment a checkpoint's temporary file appears), resume."""
+def kill_case(
+    work: str, index: int, reference: dict[str, Any], steps: int, when: tuple[int, float] | None
+) -> Case:
+    """kill -9 ``when`` = (after this many steps, this many seconds later), or (None) the moment a
+    checkpoint's temporary file appears after the first checkpoint; then resume and compare."""
     out = os.path.join(work, f"kill{index}")
     argv = [
         sys.executable,
@@ -695,10 +698,15 @@ def kill_case(work: str, index: int, reference: dict[str, Any], steps: int, when
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=environment(), cwd=str(ROOT)
     )
     began = time.perf_counter()
-    name = f"kill -9 at {when:.1f} s" if when is not None else "kill -9 inside a checkpoint write"
+    name = f"kill -9 {when[1]:.2f} s after step {when[0]}" if when else "kill -9 inside a checkpoint write"
+    metrics = Path(out, "metrics.jsonl")
+    reached: float | None = None  # when the run had done when[0] steps
     while process.poll() is None:
         elapsed = time.perf_counter() - began
-        if when is not None and elapsed >= when:
+        done = len(metrics.read_text().splitlines()) if when is not None and metrics.exists() else 0
+        if when is not None and reached is None and done >= when[0]:
+            reached = elapsed
+        if when is not None and reached is not None and elapsed >= reached + when[1]:
             break
         # A write after the first: an earlier checkpoint exists, so the kill lands mid-run.
         if (
@@ -740,7 +748,9 @@ def kill_case(work: str, index: int, reference: dict[str, Any], steps: int, when
         )
     else:
         left = glob.glob(os.path.join(out, ".checkpoint.pt.*.tmp"))
-        outcome, detail = ("silent wrong", f"{len(left)} .tmp left") if left else ("ok", "bitwise equal")
+        outcome, detail = (
+            ("silent wrong", f"bitwise equal, but {len(left)} .tmp left") if left else ("ok", "bitwise equal")
+        )
     detail += "" if killed else " (run ended before the kill)"
     return Case(name, "resumes bitwise exactly", outcome, detail, time.perf_counter() - began, "training")
 
@@ -751,10 +761,15 @@ def kill_cases(work: str, *, kills: int, write_kills: int, steps: int, seed: int
     ran = train(reference_dir, "--steps", str(steps), "--checkpoint-interval", "1")
     wall = time.perf_counter() - began
     reference = model_tensors(os.path.join(reference_dir, "checkpoint.pt"))
+    step_seconds = float(summary_of(reference_dir).get("seconds", 1.0)) / steps
     if ran.rc != 0 or reference is None:
         return [Case("reference run for kills", "finishes", "traceback", ran.err[-160:], wall, "training")]
     rng = random.Random(seed)
-    moments: list[float | None] = [rng.uniform(0.3 * wall, 0.95 * wall) for _ in range(kills)]
+    # Random moments of the training itself: after 1 .. steps-1 steps, somewhere inside the next one
+    # (every step ends with a checkpoint write, so some land inside one).
+    moments: list[tuple[int, float] | None] = [
+        (rng.randint(1, steps - 1), rng.uniform(0.0, step_seconds)) for _ in range(kills)
+    ]
     moments += [None] * write_kills
     return [kill_case(work, i, reference, steps, when) for i, when in enumerate(moments)]
 
