@@ -24,6 +24,8 @@ Safety beyond torch.utils.checkpoint:
   ``use_cache=True`` or a past-key-values argument runs with the cache off (said once, at INFO).
   Calls under ``torch.no_grad()`` (evaluation, generation) are not checkpointed and pass untouched.
 - Each block is checkpointed at most once; nesting is an error, not a silent double recompute.
+- torch.compile: a block that dynamo traces runs a compile-safe form of its policy (compiled.py);
+  a compiled model may be passed in (its blocks are named as in the eager model).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import compiled
 from .errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -352,6 +355,8 @@ class CheckpointHandle:
         self._originals: list[tuple[nn.Module, bool, Any]] = []
         self._cache_notice_given = False
         self.removed = False
+        # True once dynamo traced a block: the blocks then run in compiled.COMPILED_FORMS
+        self.compiled_calls = False
 
     def remove(self) -> None:
         """Restore every wrapped block's original forward exactly; a second call does nothing."""
@@ -376,7 +381,7 @@ class CheckpointHandle:
         return f"CheckpointHandle({self._model_name}, {state}: {shown})"
 
     def _notice_cache_off(self, name: str) -> None:
-        if not self._cache_notice_given:
+        if not self._cache_notice_given and not compiled.is_compiling():  # a log call breaks a graph
             self._cache_notice_given = True
             logger.info(
                 "checkpointed block %r was called with a cache during training; the cache is turned "
@@ -397,6 +402,9 @@ class CheckpointHandle:
             if not torch.is_grad_enabled():
                 return original(*args, **kwargs)
             args, kwargs = cache_off(args, kwargs)
+            if compiled.is_compiling():  # traced by dynamo: no Python runs in the compiled backward
+                self.compiled_calls = True
+                return compiled.run_compiled(original, policy, args, kwargs)
             return _run_checkpointed(original, policy, guard, plan, args, kwargs)
 
         self._originals.append((module, had_instance_forward, module.__dict__.get("forward")))
@@ -467,9 +475,10 @@ def _run_checkpointed(
 
     saved: set[_OpKey] = set()
     reached: set[_OpKey] = set()
-    context_fn: Callable[[], tuple[Any, Any]] = torch_checkpoint.noop_context_fn
+    # context_fn only when selective: an explicit noop_context_fn is not traceable by dynamo
+    options: dict[str, Any] = {}
     if plan is not None:
-        context_fn = functools.partial(plan.contexts, saved, reached)
+        options["context_fn"] = functools.partial(plan.contexts, saved, reached)
     saving = _offload_saved_inputs() if policy == "offload" else contextlib.nullcontext()
     with saving:
         return torch_checkpoint.checkpoint(
@@ -478,7 +487,7 @@ def _run_checkpointed(
             *kwargs.values(),
             use_reentrant=False,
             preserve_rng_state=True,
-            context_fn=context_fn,
+            **options,
         )
 
 
@@ -521,6 +530,8 @@ def checkpoint(
     Raises CheckpointError (unknown or nested blocks, nothing repeated for "auto", a block already
     checkpointed) or ConfigError (unknown policy); the model is untouched when it raises.
     """
+    compiled_model = compiled.is_compiled(model)
+    model = compiled.unwrap_compiled(model)  # names as in the eager model, not "_orig_mod."
     policies = _resolve_policies(model, blocks, policy)
     modules = dict(model.named_modules())
     for name in policies:
@@ -548,5 +559,7 @@ def checkpoint(
         )
     for name, block_policy in policies.items():
         handle._wrap(name, modules[name], block_policy)
+    if compiled_model:
+        logger.info("%s", compiled.compiled_notice(policies))
     logger.debug("checkpointed %d blocks: %s", len(policies), handle.policies)
     return handle

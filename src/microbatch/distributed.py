@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .compiled import unwrap_compiled
 from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -156,7 +157,11 @@ class RankZeroFilter(logging.Filter):
 
 
 def data_parallel_kind(model: nn.Module) -> ParallelKind | None:
-    """ "ddp" for DistributedDataParallel, "fsdp" for a model sharded with FSDP2's fully_shard, else None."""
+    """ "ddp" for DistributedDataParallel, "fsdp" for a model sharded with FSDP2's fully_shard, else None.
+
+    A ``torch.compile``'d model is looked through: what it wraps decides.
+    """
+    model = unwrap_compiled(model)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return "ddp"
     try:
@@ -187,6 +192,7 @@ def ddp_sync(model: nn.Module, *, enabled: bool) -> Iterator[None]:
     Disabled: ``model.no_sync()``. Enabled: sync is forced on, in case an abandoned loop left a
     ``no_sync`` open (the gradient would silently stay local). A no-op for other models.
     """
+    model = unwrap_compiled(model)  # torch.compile(DDP(model)): the DDP module holds the sync flag
     if not isinstance(model, nn.parallel.DistributedDataParallel):
         yield
         return

@@ -13,6 +13,7 @@ from torch import nn
 from ..accumulate import Accumulator
 from ..batching import split_batch
 from ..checkpoint import CheckpointHandle, checkpoint
+from ..compiled import unwrap_compiled
 from ..errors import ConfigError
 from ..memory import format_bytes
 
@@ -110,7 +111,7 @@ class Plan:
         """Checkpoint the plan's blocks of ``model`` in place; None when the plan checkpoints none."""
         if not self.checkpointed_blocks:
             return None
-        modules = dict(model.named_modules())
+        modules = dict(unwrap_compiled(model).named_modules())  # a compiled model: the names inside
         missing = [name for name, _ in self.block_policies if name not in modules]
         if missing:
             raise ConfigError(

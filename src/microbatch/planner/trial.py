@@ -26,6 +26,7 @@ parameters, buffers, gradients, mode and the RNG are restored afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -37,6 +38,7 @@ import torch
 from ..accumulate import Accumulator
 from ..batching import move_batch
 from ..checkpoint import BlockSpec, checkpoint
+from ..compiled import COMPILED_PLAN_NOTE, is_compiled, unwrap_compiled
 from ..errors import ConfigError, InfeasibleBudgetError
 from ..memory import MemoryTracker, format_bytes, parse_bytes
 from ..oom import free_memory, is_out_of_memory
@@ -232,6 +234,17 @@ def _no_plan(
     )
 
 
+def _eager_inside_compile(workload: Workload) -> tuple[Workload, list[str]]:
+    """The workload with a compiled model's eager module, and the note saying so.
+
+    Profiling the compiled module would recompile it for every size and policy, using up dynamo's
+    recompile limit, after which training silently runs eagerly; the eager module leaves compile alone.
+    """
+    if not is_compiled(workload.model):
+        return workload, []
+    return dataclasses.replace(workload, model=unwrap_compiled(workload.model)), [COMPILED_PLAN_NOTE]
+
+
 def _validate(batch: int, world_size: int) -> int:
     for name, value in (("batch", batch), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -269,6 +282,7 @@ def plan(
     began = time.perf_counter()
     if isinstance(workload, str):
         workload = load_workload(workload)
+    workload, compile_notes = _eager_inside_compile(workload)
     per_rank_batch = _validate(batch, world_size)
     budget_bytes = parse_bytes(memory, device=workload.device, name="memory")
     _refuse_budget_below_weights(workload, budget_bytes)
@@ -280,7 +294,7 @@ def plan(
             policies=policies,
             progress=progress,
         )
-    notes = list(profile.notes)
+    notes = list(profile.notes) + compile_notes
     correction_bytes = 0
     # After an out-of-memory error, plans predicted (before correction) at or above this are out.
     oom_limit_bytes = math.inf
