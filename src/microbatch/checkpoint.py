@@ -45,6 +45,7 @@ from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import compiled
+from .auto_blocks import auto_blocks, describe_blocks
 from .errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -92,49 +93,6 @@ _MATMUL_OPS = frozenset(
 # Finding blocks
 
 
-def _signature(module: nn.Module) -> tuple[Any, ...]:
-    return (type(module), tuple((name, tuple(p.shape)) for name, p in module.named_parameters()))
-
-
-def _num_parameters(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Largest run of consecutive same-class, same-shape children of any ModuleList / Sequential.
-
-    Ties go to the run with more parameters, then to the one found first. Blocks without
-    parameters (activations, dropout) are not candidates: checkpointing them saves nothing.
-    """
-    best: list[tuple[str, nn.Module]] = []
-    best_key = (1, 0)
-    for container_name, container in model.named_modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(container.named_children())
-        start = 0
-        while start < len(children):
-            signature = _signature(children[start][1])
-            stop = start + 1
-            while stop < len(children) and _signature(children[stop][1]) == signature:
-                stop += 1
-            run = children[start:stop]
-            start = stop
-            num_params = sum(_num_parameters(module) for _, module in run)
-            key = (len(run), num_params)
-            if len(run) >= 2 and num_params > 0 and key > best_key:
-                prefix = f"{container_name}." if container_name else ""
-                best, best_key = [(prefix + name, module) for name, module in run], key
-    if not best:
-        raise CheckpointError(
-            f"blocks='auto' found no repeated blocks in {type(model).__name__}: no nn.ModuleList or "
-            "nn.Sequential holds two or more consecutive modules of the same class and parameter shapes. "
-            "Name the blocks instead, e.g. blocks=['encoder.0', 'encoder.1'] (see model.named_modules()), "
-            "or pass a predicate such as blocks=lambda name, module: isinstance(module, MyBlock)"
-        )
-    return best
-
-
 def _check_not_nested(names: Sequence[str]) -> None:
     chosen = set(names)
     for name in names:
@@ -151,9 +109,9 @@ def _check_not_nested(names: Sequence[str]) -> None:
 def find_blocks(model: nn.Module, blocks: BlockSpec = "auto") -> list[tuple[str, nn.Module]]:
     """The (name, module) pairs ``blocks`` selects, in model order.
 
-    ``blocks`` is "auto" (the largest run of repeated blocks in any ModuleList / Sequential, wherever
-    it lives), a list of module names (as in ``model.named_modules()``), or a predicate
-    ``(name, module) -> bool`` applied to every submodule. The blocks may not nest.
+    ``blocks`` is "auto" (every repeated unit, across stages and shapes: see auto_blocks.py), a list
+    of module names (as in ``model.named_modules()``), or a predicate ``(name, module) -> bool``
+    applied to every submodule. The blocks may not nest.
     """
     if isinstance(blocks, str):
         if blocks != "auto":
@@ -161,7 +119,7 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = "auto") -> list[tuple[str,
                 f"blocks={blocks!r}: pass 'auto', a list of module names such as [{blocks!r}], "
                 "or a predicate (name, module) -> bool"
             )
-        return _auto_blocks(model)
+        return auto_blocks(model)
     modules = dict(model.named_modules())
     if callable(blocks):
         predicate = blocks
@@ -561,5 +519,8 @@ def checkpoint(
         handle._wrap(name, modules[name], block_policy)
     if compiled_model:
         logger.info("%s", compiled.compiled_notice(policies))
+    if isinstance(blocks, str) and isinstance(policy, str):  # say what "auto" picked
+        picked = describe_blocks([(name, modules[name]) for name in policies])
+        logger.info("checkpoint: blocks='auto' picked %s, policy=%r", picked, policy)
     logger.debug("checkpointed %d blocks: %s", len(policies), handle.policies)
     return handle

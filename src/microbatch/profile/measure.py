@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..accumulate import Accumulator
+from ..auto_blocks import describe_blocks
 from ..batching import move_batch
 from ..checkpoint import POLICIES, BlockSpec, checkpoint, find_blocks
 from ..errors import CheckpointError, ConfigError, InfeasibleBudgetError, WorkloadError
@@ -239,7 +240,8 @@ def _blocks_and_policies(
         )
     chosen = chosen if NONE in chosen else (NONE, *chosen)
     try:
-        return find_blocks(model, blocks), chosen, []
+        found = find_blocks(model, blocks)
+        return found, chosen, [f"blocks='auto' picked {describe_blocks(found)}"] if blocks == "auto" else []
     except CheckpointError:
         if blocks != "auto":
             raise
