@@ -37,6 +37,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated policies to consider (default: none,full,selective; offload on accelerators)",
     )
     parser.add_argument("--no-trial", action="store_true", help="trust the model: skip the real trial window")
+    parser.add_argument(
+        "--min-micro-batch",
+        type=int,
+        default=1,
+        metavar="K",
+        help="no micro-batch below K samples, the last included (e.g. 2 for BatchNorm after global pooling)",
+    )
+    parser.add_argument("--even", action="store_true", help="equal micro-batches: micro x steps == batch")
+    parser.add_argument(
+        "--prefer-large-micro-batches",
+        action="store_true",
+        help="the largest micro-batch that fits, then the fastest (BatchNorm normalises per micro-batch)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--plot", metavar="PATH", help="draw the frontier (peak vs time per step) to PATH")
 
@@ -80,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
             policies=policies,
             trial=not args.no_trial,
             progress=progress,
+            min_micro_batch_size=args.min_micro_batch,
+            even=args.even,
+            prefer_large_micro_batches=args.prefer_large_micro_batches,
         )
     finally:
         progress.close()

@@ -237,6 +237,12 @@ def pareto(candidates: Sequence[Candidate]) -> list[Candidate]:
     return front
 
 
+def _rank(candidate: Candidate, prefer_large: bool) -> tuple[float, ...]:
+    """Sort key of fitting candidates, best first."""
+    fastest = (candidate.seconds_per_step, candidate.peak_bytes)
+    return (-candidate.micro_batch_size, *fastest) if prefer_large else fastest
+
+
 def search(
     profile: Profile,
     *,
@@ -244,14 +250,24 @@ def search(
     capacity_bytes: float,
     correction_bytes: int = 0,
     safety_margin: float = SAFETY_MARGIN,
+    min_micro_batch_size: int = 1,
+    even: bool = False,
+    prefer_large: bool = False,
 ) -> SearchResult:
-    """The fastest plan whose predicted peak is <= capacity_bytes, the frontier, and the minimum."""
+    """The fastest plan whose predicted peak is <= capacity_bytes, the frontier, and the minimum.
+
+    Only splits whose every micro-batch has >= ``min_micro_batch_size`` samples are searched, and with
+    ``even`` only those of equal micro-batches (micro x steps == per_rank_batch). ``prefer_large``:
+    the largest micro-batch that fits wins, then the fastest (BatchNorm normalises per micro-batch).
+    """
     model = Model(profile, correction_bytes=correction_bytes, safety_margin=safety_margin)
     best: Candidate | None = None
     points: list[Candidate] = []
     minimum: Candidate | None = None
     for b in candidate_sizes(per_rank_batch):
         sizes = micro_batch_sizes(per_rank_batch, b)
+        if min(sizes) < min(min_micro_batch_size, per_rank_batch) or (even and len(set(sizes)) > 1):
+            continue
         # The steady chain's frontier, priced in both phases; and the choice with the lowest peak
         # in both phases together (a chain that bounds both), so the minimum is never missed.
         front = solve.frontier(model.chain(sizes), max_points=FRONTIER_POINTS)
@@ -268,10 +284,7 @@ def search(
             solution = solve.solve(both, model.room(sizes, capacity_bytes))
             fitting = [model.price(sizes, solution.choice)] if solution is not None else []
         for found in fitting:
-            if best is None or (found.seconds_per_step, found.peak_bytes) < (
-                best.seconds_per_step,
-                best.peak_bytes,
-            ):
+            if best is None or _rank(found, prefer_large) < _rank(best, prefer_large):
                 best = found
     if minimum is None:
         raise ConfigError(f"per_rank_batch must be >= 1, got {per_rank_batch}")

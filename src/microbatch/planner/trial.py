@@ -32,6 +32,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,7 +52,8 @@ from ..profile import (
 )
 from ..workload import Workload, load_workload
 from .plan import FrontierPoint, Plan, summarize_policies
-from .search import Candidate, Model, SearchResult, search
+from .rules import SplitRules, batchnorm_note, even_batch, profiling_error
+from .search import Candidate, Model, SearchResult, _rank, search
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +88,7 @@ def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
                     yield move_batch(batches.pop(0), device)
 
             accumulator = Accumulator(model, optimizer, steps=len(batches))
+            accumulator._warned_batchnorm = True  # the trial's cut window; the plan's note covers BatchNorm
             with MemoryTracker(device, model=model, optimizer=optimizer) as tracker:
                 for micro in accumulator.iterate(loader()):
                     loss, items = workload.loss(model, micro.batch)
@@ -204,17 +207,26 @@ def _attempt(workload: Workload, candidate: Candidate) -> TrialResult | None:
 
 
 def _faster_without_margin(
-    profile: Profile, per_rank_batch: int, capacity: float, correction_bytes: int, safe: Candidate | None
+    profile: Profile,
+    per_rank_batch: int,
+    capacity: float,
+    correction_bytes: int,
+    safe: Candidate | None,
+    rules: SplitRules | None = None,
 ) -> Candidate | None:
     """A plan faster than ``safe`` that fits the capacity without the safety margin (margin shown)."""
+    rules = rules or SplitRules()
     bold = search(
         profile,
         per_rank_batch=per_rank_batch,
         capacity_bytes=capacity,
         correction_bytes=correction_bytes,
         safety_margin=0.0,
+        **rules.search_options(),
     ).best
-    if bold is None or (safe is not None and bold.seconds_per_step >= safe.seconds_per_step):
+    if bold is None or (
+        safe is not None and _rank(bold, rules.prefer_large) >= _rank(safe, rules.prefer_large)
+    ):
         return None
     model = Model(profile, correction_bytes=correction_bytes)
     return model.evaluate(bold.micro_batch_sizes, dict(bold.block_policies))
@@ -245,6 +257,24 @@ def _eager_inside_compile(workload: Workload) -> tuple[Workload, list[str]]:
     return dataclasses.replace(workload, model=unwrap_compiled(workload.model)), [COMPILED_PLAN_NOTE]
 
 
+def _profile(
+    workload: Workload, rules: SplitRules, per_rank_batch: int, max_profile_size: int, **options: Any
+) -> Profile:
+    """profile_workload at sizes no smaller than the rules allow; BatchNorm's failure at 1 explained."""
+    try:
+        return profile_workload(
+            workload,
+            micro_batch_sizes=rules.profile_sizes(per_rank_batch, max_profile_size),
+            max_micro_batch_size=min(per_rank_batch, max_profile_size),
+            **options,
+        )
+    except ValueError as error:
+        explained = profiling_error(error, rules)
+        if explained is None:
+            raise
+        raise explained from error
+
+
 def _validate(batch: int, world_size: int) -> int:
     for name, value in (("batch", batch), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -270,6 +300,9 @@ def plan(
     max_trials: int = DEFAULT_MAX_TRIALS,
     max_profile_micro_batch_size: int = DEFAULT_MAX_PROFILE_SIZE,
     progress: ProgressFn | None = None,
+    min_micro_batch_size: int = 1,
+    even: bool = False,
+    prefer_large_micro_batches: bool = False,
 ) -> Plan:
     """The fastest plan for an effective batch of ``batch`` samples within ``memory`` bytes of peak.
 
@@ -277,6 +310,8 @@ def plan(
     ``blocks`` / ``policies``: which blocks may be checkpointed and how (default: "auto", and none,
     full, selective, plus offload on accelerators). ``profile``: reuse one from ``profile_workload``.
     ``trial``: prove the plan in one real window (recommended; False trusts the model).
+    ``min_micro_batch_size``, ``even``, ``prefer_large_micro_batches``: how the batch may be split
+    (planner/rules.py). A torch.compile'd model is profiled eagerly (the module inside it).
     Raises InfeasibleBudgetError when no plan fits; never lets an out-of-memory error escape.
     """
     began = time.perf_counter()
@@ -284,17 +319,16 @@ def plan(
         workload = load_workload(workload)
     workload, compile_notes = _eager_inside_compile(workload)
     per_rank_batch = _validate(batch, world_size)
+    rules = SplitRules(min_micro_batch_size, even, prefer_large_micro_batches)
+    rules.check_batch(per_rank_batch, world_size)
     budget_bytes = parse_bytes(memory, device=workload.device, name="memory")
     _refuse_budget_below_weights(workload, budget_bytes)
     if profile is None:
-        profile = profile_workload(
-            workload,
-            max_micro_batch_size=min(per_rank_batch, max_profile_micro_batch_size),
-            blocks=blocks,
-            policies=policies,
-            progress=progress,
-        )
-    notes = list(profile.notes) + compile_notes
+        options = {"blocks": blocks, "policies": policies, "progress": progress}
+        profile = _profile(workload, rules, per_rank_batch, max_profile_micro_batch_size, **options)
+    per_rank_batch, even_notes = even_batch(profile, per_rank_batch, budget_bytes, rules, world_size)
+    batch = per_rank_batch * world_size
+    notes = list(profile.notes) + compile_notes + even_notes
     correction_bytes = 0
     # After an out-of-memory error, plans predicted (before correction) at or above this are out.
     oom_limit_bytes = math.inf
@@ -304,14 +338,20 @@ def plan(
     while True:
         capacity = min(budget_bytes, oom_limit_bytes - 1 + correction_bytes)
         result = search(
-            profile, per_rank_batch=per_rank_batch, capacity_bytes=capacity, correction_bytes=correction_bytes
+            profile,
+            per_rank_batch=per_rank_batch,
+            capacity_bytes=capacity,
+            correction_bytes=correction_bytes,
+            **rules.search_options(),
         )
         chosen, margin_free = result.best, False
         if margin_free_pending:
             # The safety margin guards plans nobody ran. A faster plan that fits without it gets one
             # trial first: if the measured peak fits, the measurement is the proof.
             margin_free_pending = False
-            faster = _faster_without_margin(profile, per_rank_batch, capacity, correction_bytes, chosen)
+            faster = _faster_without_margin(
+                profile, per_rank_batch, capacity, correction_bytes, chosen, rules
+            )
             if faster is not None:
                 chosen, margin_free = faster, True
         if chosen is None:
@@ -356,6 +396,8 @@ def plan(
                 )
             break
         logger.info(notes[-1])
+    bn_note = batchnorm_note(workload.model, chosen.micro_batch_size, chosen.steps, rules)
+    notes += [bn_note] if bn_note else []
     return Plan(
         workload=workload.name,
         batch_size=batch,
