@@ -474,6 +474,22 @@ def _resolve_policies(model: nn.Module, blocks: BlockSpec, policy: str | Mapping
     return {name: policy[name] for name, _ in found if policy[name] != "none"}
 
 
+def _turn_off_hf_checkpointing(model: nn.Module) -> None:
+    """transformers' own gradient checkpointing off: with ours on top, blocks would recompute twice."""
+    # transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_* (old names warn)
+    new_names = hasattr(type(model), "is_activation_checkpointing")
+    prefix = "activation" if new_names else "gradient"
+    if getattr(model, f"is_{prefix}_checkpointing", False) is True:
+        getattr(model, f"{prefix}_checkpointing_disable")()
+        logger.warning(
+            "%s had transformers' gradient checkpointing on; turned it off "
+            "(model.%s_checkpointing_disable()) so that microbatch's checkpointing alone decides "
+            "what is recomputed. handle.remove() does not turn it back on",
+            type(model).__name__,
+            prefix,
+        )
+
+
 def checkpoint(
     model: nn.Module,
     blocks: BlockSpec = "auto",
@@ -510,6 +526,7 @@ def checkpoint(
                     f"blocks: {full_name!r} is already checkpointed; a module can be checkpointed once. "
                     "remove() the earlier handle first"
                 )
+    _turn_off_hf_checkpointing(model)
     handle = CheckpointHandle(model, policies)
     if "offload" in policies.values() and not torch.cuda.is_available():
         logger.warning(

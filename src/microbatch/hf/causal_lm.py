@@ -125,11 +125,16 @@ def _labels_of(batch: Mapping[str, Any]) -> torch.Tensor:
 
 
 def _accepts_use_cache(model: nn.Module) -> bool:
+    """``use_cache`` is a parameter of forward, or forward takes ``**kwargs`` (a PEFT wrapper passes them
+    on) and the model's config has ``use_cache``."""
     try:
         parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
-    return "use_cache" in parameters
+    if "use_cache" in parameters:
+        return True
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    return takes_kwargs and hasattr(getattr(model, "config", None), "use_cache")
 
 
 def causal_lm_loss(model: nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
