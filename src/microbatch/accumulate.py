@@ -41,6 +41,7 @@ from . import distributed
 from .batching import batch_size_of
 from .batchnorm import batchnorm_layers, corrected_momentum
 from .errors import ConfigError, UsageError
+from .precision import WideGradients
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,8 @@ class Accumulator:
     a window's last micro-batch, or on every one with ``sync_every_micro_batch`` (less memory, more
     communication). ``correct_batchnorm_momentum`` sets each
     BatchNorm's momentum so a window of N micro-batches decays its running statistics like one update.
+    ``accumulate_dtype`` (e.g. torch.float32) sums low-precision parameters' gradients in that dtype
+    across the window and rounds once at ``step()`` (see precision.py; single process only).
     """
 
     # Window state, reset by _reset_window() after every step().
@@ -173,6 +176,7 @@ class Accumulator:
         scaler: torch.amp.GradScaler | None = None,
         sync_every_micro_batch: bool = False,
         correct_batchnorm_momentum: bool = False,
+        accumulate_dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -221,6 +225,13 @@ class Accumulator:
             )
         # Every parameter whose gradient this accumulator normalises and clears.
         self._params: list[nn.Parameter] = model_params + foreign
+        if accumulate_dtype is not None and self._data_parallel is not None:
+            raise ConfigError(
+                "accumulate_dtype with DDP / FSDP is not supported: their gradient hooks read .grad, which "
+                "a wide accumulation empties between micro-batches; leave accumulate_dtype=None"
+            )
+        # Low-precision parameters' gradients summed in accumulate_dtype (precision.py).
+        self._wide = WideGradients(self._params, accumulate_dtype) if accumulate_dtype is not None else None
 
         self._batchnorm = batchnorm_layers(model)
         self._batchnorm_momentum = {name: layer.momentum for name, layer in self._batchnorm}
@@ -445,10 +456,11 @@ class Accumulator:
         if total_items <= 0:
             raise UsageError("step() on a window without items on any rank: there is no gradient to apply")
 
+        factor = self._reference_items * averaged_over / total_items
+        widened = self._wide.restore_(factor) if self._wide is not None else set()  # scaled in the wide dtype
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        grads = [p.grad for p in self._params if p.grad is not None]
-        factor = self._reference_items * averaged_over / total_items
+        grads = [p.grad for p in self._params if p.grad is not None and id(p) not in widened]
         if grads and factor != 1.0:
             torch._foreach_mul_(grads, factor)
         grad_norm = self._clip_and_norm()
