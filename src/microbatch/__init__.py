@@ -16,6 +16,7 @@ from .errors import MicrobatchError
 from .memory import MemoryTracker, format_bytes, parse_bytes
 from .planner import FrontierPoint, Plan, plan
 from .profile import Profile, profile_workload
+from .tokens import TokenStats, TokenWindows, split_by_tokens
 from .verify import VerifyReport, verify
 from .workload import Workload, load_workload
 
@@ -28,6 +29,8 @@ __all__ = [
     "MicrobatchError",
     "Plan",
     "Profile",
+    "TokenStats",
+    "TokenWindows",
     "VerifyReport",
     "WindowStats",
     "Workload",
@@ -43,5 +46,6 @@ __all__ = [
     "plan",
     "profile_workload",
     "schedules",
+    "split_by_tokens",
     "verify",
 ]
