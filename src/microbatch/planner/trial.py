@@ -50,6 +50,7 @@ from ..profile import (
 from ..workload import Workload, load_workload
 from .plan import FrontierPoint, Plan, summarize_policies
 from .search import Candidate, Model, SearchResult, search
+from .tokens import token_budget
 
 logger = logging.getLogger(__name__)
 
@@ -361,4 +362,5 @@ def plan(
         trials=trials,
         planning_seconds=time.perf_counter() - began,
         notes=tuple(notes),
+        max_tokens=token_budget(workload, chosen.micro_batch_size),
     )
