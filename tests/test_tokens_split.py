@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import microbatch as mb
+from microbatch import tokens
 from microbatch.errors import ConfigError
 from microbatch.tokens import fewest_micro_batches_bound, padded_tokens
 
@@ -113,3 +114,18 @@ def test_bad_arguments_say_which(lengths: list, max_tokens: int, message: str) -
 def test_impossible_count_is_refused() -> None:
     with pytest.raises(ConfigError, match="micro_batches=4 is impossible"):
         mb.split_by_tokens([5, 5, 5], 10, micro_batches=4)
+
+
+@settings(max_examples=150, deadline=None)
+@given(windows())
+def test_vectorised_and_scalar_dp_agree(window: tuple[list[int], int]) -> None:
+    lengths, max_tokens = window
+    original = tokens._SCALAR_ROWS
+    try:
+        tokens._SCALAR_ROWS = 0  # every step vectorised
+        vectorised = mb.split_by_tokens(lengths, max_tokens)
+        tokens._SCALAR_ROWS = 10**9  # every step in Python
+        scalar = mb.split_by_tokens(lengths, max_tokens)
+    finally:
+        tokens._SCALAR_ROWS = original
+    assert vectorised == scalar
