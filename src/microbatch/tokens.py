@@ -12,10 +12,9 @@ floor(max_tokens / L_i) rows, whichever rows they are. Exchange argument: in any
 rows so that the micro-batch holding sample 0 holds samples 0..k-1 (the next-longest ones); every
 other micro-batch only loses long rows, so its longest length does not grow and it stays valid.
 Repeating on the rest gives a split into contiguous runs of the sorted order with no more
-micro-batches. So the greedy "fill each micro-batch with the
-next-longest samples" split already has the fewest micro-batches; a dynamic programme over the
-sorted order then picks, among the fewest-micro-batch splits into runs, the one with the fewest
-padded tokens:
+micro-batches. So the greedy "fill each micro-batch with the next-longest samples" split already
+has the fewest micro-batches; a dynamic programme over the sorted order then picks, among the
+fewest-micro-batch splits into runs, the one with the fewest padded tokens:
 
     best(i) = min over j in (i, i + floor(max_tokens / L_i)]  of  (1 + count(j), (j - i) L_i + padded(j))
 
