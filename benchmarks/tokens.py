@@ -3,16 +3,17 @@
 A window of B variable-length samples (the recipe's batch) is trained as one optimizer step two ways:
 
     rows:    micro-batches of R rows in the window's order, each padded to its own longest row
-             (dynamic padding, as transformers' collators do). R is the row count a plan must pick
-             for this budget: R rows of the longest possible sample have to fit, R = max_tokens // L_max.
-    tokens:  mb.TokenWindows with max_tokens = R x L_max padded tokens (split_by_tokens).
+             (dynamic padding, as transformers' collators do).
+    tokens:  micro-batches of split_by_tokens(lengths, max_tokens).
 
-Both variants bound a micro-batch by the same padded-token count, so they get the same memory
-budget: the measured peak (MemoryTracker: parameters, gradients, AdamW state, activations) of a
-window whose micro-batches are the worst case, R rows of L_max tokens, run twice (the second run
-has AdamW's state). Each variant's peak is the largest over its windows, each measured the same
-way (run twice). (Tracking many different windows in a row, MemoryTracker's peak creeps up by
-~40 KB per earlier window of other shapes, 0.15 % here; not traced, so windows are measured alike.)
+The budget is the measured peak (MemoryTracker: parameters, gradients, AdamW state, activations)
+of a window of ``--rows`` rows of L_max tokens per micro-batch, run twice (the second run has
+AdamW's state). ``mb.plan`` for that budget, on a Workload with ``max_length = L_max`` (batches of
+full-length rows, the worst case; no checkpointing), gives both variants' settings: R, its
+micro-batch size (R rows of the longest possible sample must fit), and max_tokens = R x L_max.
+Each variant's peak is the largest over its windows, each measured the same way (run twice).
+(Tracking many different windows in a row, MemoryTracker's peak creeps up by ~40 KB per earlier
+window of other shapes, 0.15 % here; not traced, so windows are measured alike.)
 
 Reported per distribution: real (non-padding) tokens per second (median over repetitions), the
 padding fraction, each variant's peak against the budget, and the relative difference of the
@@ -253,7 +254,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model and fewer windows (smoke run)")
     parser.add_argument("--max-length", type=int, default=256, help="longest sample, tokens (L_max)")
-    parser.add_argument("--rows", type=int, default=8, help="the fixed-row plan's rows per micro-batch (R)")
+    parser.add_argument(
+        "--rows", type=int, default=8, help="the budget: the measured peak of micro-batches of ROWS x L_max"
+    )
     parser.add_argument("--window", type=int, default=64, help="samples per window (the recipe's batch)")
     parser.add_argument("--windows", type=int, default=6, help="windows per distribution")
     parser.add_argument("--repeats", type=int, default=12, help="timed windows per variant")
@@ -265,27 +268,50 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def planned(model: nn.Module, budget: int, window: int, max_length: int) -> mb.Plan:
+    """mb.plan for the budget, on worst-case batches (rows of max_length), no checkpointing."""
+    generator = torch.Generator().manual_seed(11)
+
+    def make_batch(size: int) -> dict[str, torch.Tensor]:
+        tokens = torch.randint(0, 256, (size, max_length + 1), generator=generator)
+        return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+    workload = mb.Workload(
+        model=copy.deepcopy(model),
+        make_batch=make_batch,
+        loss=gpt_loss,
+        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
+        name="benchmark GPT",
+        max_length=max_length,
+    )
+    return mb.plan(workload, batch=window, memory=budget, policies=["none"])
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     config = GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=args.max_length, dropout=0.0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = GPT(config)
-    max_tokens = args.rows * args.max_length
     budget = worst_case_budget(model, args.rows, args.max_length, args.window)
+    chosen = planned(model, budget, args.window, args.max_length)
+    rows, max_tokens = chosen.micro_batch_size, chosen.max_tokens
+    assert max_tokens is not None  # the workload declares max_length
     sizes = (args.windows, args.window, args.max_length)
     distributions = {
         "stdlib corpus": corpus_windows(*sizes, seed=0),
         "chat-like (log-normal, 10x)": chat_windows(*sizes, seed=0),
     }
-    options = {"rows": args.rows, "max_tokens": max_tokens, "budget": budget, "repeats": args.repeats}
+    options = {"rows": rows, "max_tokens": max_tokens, "budget": budget, "repeats": args.repeats}
     info = results.environment()
     return {
         "benchmark": "tokens",
         "config": {
             "model": f"GPT(n_layer=2, n_head=4, n_embd=128, block_size={args.max_length})",
-            "rows": args.rows,
+            "budget_rows": args.rows,
+            "rows": rows,
             "max_tokens": max_tokens,
+            "plan": str(chosen).splitlines()[0],
             "window": args.window,
             "windows": args.windows,
             "repeats": args.repeats,
@@ -341,9 +367,11 @@ def markdown(report: dict[str, Any], command: str) -> str:
     return "\n".join(
         [
             f"{config['model']}, AdamW, windows of {config['window']} samples, "
-            f"{config['threads']} thread(s); budget = measured peak of windows of {config['rows']}-row "
-            "micro-batches of the longest length (what a fixed-row plan must allow). Rows variant: "
-            "dynamic padding to each micro-batch's longest row.",
+            f"{config['threads']} thread(s); budget = measured peak of windows of "
+            f"{config['budget_rows']}-row micro-batches of the longest length. mb.plan for that budget "
+            f"(no checkpointing): {config['rows']} rows per micro-batch, "
+            f"max_tokens {config['max_tokens']}. Rows variant: "
+            "the plan's rows, dynamic padding to each micro-batch's longest row.",
             "",
             results.markdown_table(headers, rows),
             "",

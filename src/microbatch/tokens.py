@@ -202,7 +202,8 @@ class TokenWindows:
     Accumulator weighs micro-batches by items). ``steps(w)`` is the micro-batch count of
     Accumulator window ``w``; the first window asked for is the first window of ``windows``, or
     pass ``start_window`` (e.g. ``acc.window`` after a resume). With ``truncate=True`` a sample
-    longer than ``max_tokens`` is cut to ``sample[:max_tokens]`` before collate.
+    longer than ``max_tokens`` is cut to ``sample[:max_tokens]`` before collate. Like a generator,
+    it is iterated once (it consumes ``windows``); ``stats`` counts what it has split so far.
 
     Data-parallel ranks (``agree``, by default when torch.distributed runs more than one rank)
     agree on each window's count with one small all_reduce when the window is split: the largest
