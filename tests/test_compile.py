@@ -207,3 +207,10 @@ def test_ddp_inside_compile_is_detected(tmp_path: Any) -> None:
         assert ddp.require_backward_grad_sync is True
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_memory_tracker_says_a_compiled_model_is_measured_eagerly(caplog: pytest.LogCaptureFixture) -> None:
+    runner = torch.compile(Net(), backend="aot_eager")
+    with caplog.at_level(logging.WARNING, logger="microbatch"), mb.MemoryTracker(model=runner):
+        pass
+    assert "runs eagerly" in caplog.text

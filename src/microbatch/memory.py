@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import re
 import weakref
@@ -14,7 +15,10 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .compiled import is_compiled
 from .errors import ConfigError, UsageError
+
+logger = logging.getLogger(__name__)
 
 _UNITS = {
     "": 1,
@@ -167,6 +171,11 @@ class MemoryTracker:
     caching allocator rounds them. A storage made during ``optimizer.step()`` counts as a temporary
     until the step ends and it is found in ``optimizer.state``; the breakdown at a peak inside the
     step is corrected then.
+
+    torch.compile: the tracker is a TorchDispatchMode, under which dynamo does not compile, so a
+    compiled model runs (and is measured) eagerly inside the block; on torch 2.13 a compiled module
+    whose first call happens under the tracker may stay eager afterwards. Call it once before
+    tracking. (``mb.plan`` profiles the eager module inside a compiled one and never calls it.)
     """
 
     def __init__(
@@ -181,6 +190,11 @@ class MemoryTracker:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if model is not None and is_compiled(model):
+            logger.warning(
+                "MemoryTracker(model=<torch.compile'd module>): inside the tracker the model runs eagerly "
+                "(dynamo does not compile under a dispatch mode); the peak is eager execution's"
+            )
         self._model = model
         self._optimizer = optimizer
         self.peak_bytes = 0

@@ -54,6 +54,7 @@ from ..workload import Workload, load_workload
 from .plan import FrontierPoint, Plan, summarize_policies
 from .rules import SplitRules, batchnorm_note, even_batch, profiling_error
 from .search import Candidate, Model, SearchResult, _rank, search
+from .tokens import token_budget
 
 logger = logging.getLogger(__name__)
 
@@ -417,4 +418,5 @@ def plan(
         trials=trials,
         planning_seconds=time.perf_counter() - began,
         notes=tuple(notes),
+        max_tokens=token_budget(workload, chosen.micro_batch_size),
     )
