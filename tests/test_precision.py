@@ -9,6 +9,7 @@ stay within the float32 sums' bytes.
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -113,3 +114,12 @@ def test_accumulate_dtype_is_checked() -> None:
     model = _mlp(torch.bfloat16)
     with pytest.raises(ConfigError, match="accumulate_dtype"):
         mb.Accumulator(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate_dtype=torch.int32)
+
+
+def test_command_line_autocast(capsys: pytest.CaptureFixture[str]) -> None:
+    from microbatch.cli import main
+
+    code = main(["verify", "seed-linear", "--batch", "16", "--steps", "4", "--autocast", "bf16", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["rtol"] == 1e-2
+    assert any(d["kind"] == "precision" for d in report["diagnostics"])
