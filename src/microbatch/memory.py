@@ -150,6 +150,9 @@ class _LiveStorageMode(TorchDispatchMode):
 class MemoryTracker:
     """Peak live tensor bytes on one device over a ``with`` block, by category.
 
+    The device: ``device`` when given, else the model's (or the optimizer's), else that of the first
+    tensor an op inside the block uses.
+
     Every storage is counted once, however many tensors view it. Categories: parameters (with
     buffers), gradients (``.grad`` of parameters), optimizer state (tensors an optimizer keeps in
     ``optimizer.state`` after ``step()``), saved activations (tensors autograd saved for backward),
@@ -176,11 +179,14 @@ class MemoryTracker:
         model: torch.nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
+        # Without device=, the model's (or the optimizer's) device; failing those, the device of the
+        # first tensor the block uses. Never "the GPU because one exists": a CPU model on a GPU
+        # machine is tracked on the CPU.
+        self._device_from_first_tensor = False
         if device is None:
-            device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            device = _device_of(model, optimizer)
+            self._device_from_first_tensor = device is None
+        self.device = _resolved(torch.device(device) if device is not None else torch.device("cpu"))
         self._model = model
         self._optimizer = optimizer
         self.peak_bytes = 0
@@ -271,6 +277,11 @@ class MemoryTracker:
 
     def _on_device(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
         device = tensor.device
+        if self._device_from_first_tensor and device.type != "meta":
+            self._device_from_first_tensor = False
+            self.device = _resolved(device)
+            if self.device.type == "cuda" and self._stack is not None:
+                torch.cuda.reset_peak_memory_stats(self.device)
         if device.type != self.device.type or (
             self.device.index is not None and device.index is not None and device.index != self.device.index
         ):
@@ -406,3 +417,21 @@ class MemoryTracker:
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _device_of(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> torch.device | None:
+    """The device of the model's first parameter or buffer, else of the optimizer's first parameter."""
+    if model is not None:
+        for tensor in [*model.parameters(), *model.buffers()]:
+            return tensor.device
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                return parameter.device
+    return None
+
+
+def _resolved(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -192,7 +192,7 @@ def _attempt(workload: Workload, candidate: Candidate) -> TrialResult | None:
     out_of_memory = False
     try:
         return run_trial(workload, candidate)
-    except RuntimeError as error:
+    except (RuntimeError, MemoryError) as error:
         if not is_out_of_memory(error):
             raise
         out_of_memory = True

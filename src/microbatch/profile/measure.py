@@ -110,7 +110,7 @@ def _measure_optimizer(
         loss.backward()
         del loss
         optimizer.step()  # creates the optimizer's state
-    except RuntimeError as error:
+    except (RuntimeError, MemoryError) as error:
         if not is_out_of_memory(error):
             raise
         out_of_memory = True
@@ -316,7 +316,7 @@ class _Session:
             return _micro_batch(
                 self.workload, self.blocks, size, device, track=track, optimizer=self.optimizer
             )
-        except RuntimeError as error:
+        except (RuntimeError, MemoryError) as error:
             if not is_out_of_memory(error):
                 raise
             out_of_memory = True

@@ -73,7 +73,7 @@ def resolve_device(name: str | None) -> torch.device:
     if name is not None:
         try:
             device = torch.device(name)
-        except RuntimeError as error:
+        except (RuntimeError, MemoryError) as error:
             raise ConfigError(f"device={name!r} is not a torch device: {error}") from error
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device={name!r} but CUDA is not available; leave device unset to use the CPU")
