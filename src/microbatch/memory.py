@@ -45,12 +45,26 @@ def device_memory_bytes(device: torch.device | str | None = None) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+def fraction_base_bytes(device: torch.device | str | None = None) -> int:
+    """What a fractional budget is a fraction of: a CUDA device's free memory now, else the total.
+
+    On CUDA, free counts what this process's caching allocator holds (the model already loaded, its
+    cache) as well as what the driver reports free: both are this process's to plan with.
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        return int(free_bytes) + int(torch.cuda.memory_reserved(device))
+    return device_memory_bytes(device)
+
+
 def parse_bytes(
     size: str | int | float, *, device: torch.device | str | None = None, name: str = "memory"
 ) -> int:
     """Bytes from "8GiB", "300MiB", "1.5G" (SI: G = 10^9, GiB = 2^30), an int, or a fraction in (0, 1].
 
-    A float in (0, 1] (or such a string, "0.8") means that fraction of ``device``'s memory.
+    A float in (0, 1] (or such a string, "0.8") means that fraction of ``device``'s memory: on CUDA
+    of the memory free now (cudaMemGetInfo), elsewhere of the total (fraction_base_bytes).
     """
     if isinstance(size, bool):
         raise ConfigError(f"{name} must be a size like '8GiB', got {size!r}")
@@ -69,7 +83,7 @@ def parse_bytes(
         if not math.isfinite(size) or size <= 0:
             raise ConfigError(f"{name} must be positive and finite, got {size!r}")
         if size <= 1:
-            return int(size * device_memory_bytes(device))
+            return int(size * fraction_base_bytes(device))
         value = size
     elif isinstance(size, int):
         value = size

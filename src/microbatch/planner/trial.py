@@ -49,6 +49,7 @@ from ..profile import (
 )
 from ..workload import Workload, load_workload
 from .plan import FrontierPoint, Plan, summarize_policies
+from .reserve import outside_the_model
 from .search import Candidate, Model, SearchResult, search
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,11 @@ DEFAULT_MAX_PROFILE_SIZE = 16
 
 @dataclass(frozen=True)
 class TrialResult:
-    peak_bytes: int  # MemoryTracker's peak, or the CUDA allocator's where that is higher
+    # On CUDA the caching allocator's peak reserved bytes (what an OOM is decided on); elsewhere
+    # MemoryTracker's peak live tensor bytes. Memory outside the allocator is added by the caller.
+    peak_bytes: int
     cuda_max_allocated_bytes: int | None
+    cuda_max_reserved_bytes: int | None = None
 
 
 def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
@@ -97,9 +101,9 @@ def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
             for parameter in model.parameters():
                 parameter.grad = None
     measured = tracker.peak_bytes
-    if tracker.cuda_max_allocated_bytes is not None:
-        measured = max(measured, tracker.cuda_max_allocated_bytes)
-    return TrialResult(measured, tracker.cuda_max_allocated_bytes)
+    if tracker.cuda_max_reserved_bytes is not None:
+        measured = max(measured, tracker.cuda_max_reserved_bytes)
+    return TrialResult(measured, tracker.cuda_max_allocated_bytes, tracker.cuda_max_reserved_bytes)
 
 
 def trial_sizes(micro_batch_sizes: Sequence[int]) -> list[int]:
@@ -257,6 +261,7 @@ def plan(
     max_trials: int = DEFAULT_MAX_TRIALS,
     max_profile_micro_batch_size: int = DEFAULT_MAX_PROFILE_SIZE,
     progress: ProgressFn | None = None,
+    gradient_as_bucket_view: bool = False,
 ) -> Plan:
     """The fastest plan for an effective batch of ``batch`` samples within ``memory`` bytes of peak.
 
@@ -264,6 +269,10 @@ def plan(
     ``blocks`` / ``policies``: which blocks may be checkpointed and how (default: "auto", and none,
     full, selective, plus offload on accelerators). ``profile``: reuse one from ``profile_workload``.
     ``trial``: prove the plan in one real window (recommended; False trusts the model).
+    ``gradient_as_bucket_view``: with world_size > 1 the plan counts DDP's gradient buckets, a
+    second copy of the gradients, unless DDP will run with gradient_as_bucket_view=True.
+    The budget: peak live tensor bytes on the CPU; on CUDA peak reserved bytes of the caching
+    allocator plus what is measured outside it (see planner.reserve).
     Raises InfeasibleBudgetError when no plan fits; never lets an out-of-memory error escape.
     """
     began = time.perf_counter()
@@ -271,7 +280,14 @@ def plan(
         workload = load_workload(workload)
     per_rank_batch = _validate(batch, world_size)
     budget_bytes = parse_bytes(memory, device=workload.device, name="memory")
-    _refuse_budget_below_weights(workload, budget_bytes)
+    reserve = outside_the_model(
+        workload,
+        budget_bytes,
+        memory=memory,
+        world_size=world_size,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+    )
+    _refuse_budget_below_weights(workload, budget_bytes - reserve.total_bytes)
     if profile is None:
         profile = profile_workload(
             workload,
@@ -280,7 +296,9 @@ def plan(
             policies=policies,
             progress=progress,
         )
-    notes = list(profile.notes)
+    notes = [*profile.notes, *reserve.notes]
+    # What the profiled model may use: the budget less what lives outside it (see BudgetReserve).
+    model_budget_bytes = budget_bytes - reserve.total_bytes
     correction_bytes = 0
     # After an out-of-memory error, plans predicted (before correction) at or above this are out.
     oom_limit_bytes = math.inf
@@ -288,7 +306,7 @@ def plan(
     measured: TrialResult | None = None
     margin_free_pending = trial
     while True:
-        capacity = min(budget_bytes, oom_limit_bytes - 1 + correction_bytes)
+        capacity = min(model_budget_bytes, oom_limit_bytes - 1 + correction_bytes)
         result = search(
             profile, per_rank_batch=per_rank_batch, capacity_bytes=capacity, correction_bytes=correction_bytes
         )
@@ -301,7 +319,7 @@ def plan(
             if faster is not None:
                 chosen, margin_free = faster, True
         if chosen is None:
-            raise _no_plan(profile, result, budget_bytes, trials, notes)
+            raise _no_plan(profile, result, model_budget_bytes, trials, notes)
         if not trial:
             break
         if trials >= max_trials:
@@ -325,7 +343,7 @@ def plan(
             floor = result.minimum.peak_bytes - correction_bytes
             oom_limit_bytes = min(oom_limit_bytes, failed - max(1, (failed - floor) // 2))
             notes.append(f"trial {trials}: {what} ran out of memory; re-planned below it")
-        elif measured.peak_bytes > budget_bytes:
+        elif measured.peak_bytes > model_budget_bytes:
             error_bytes = measured.peak_bytes - chosen.peak_bytes
             if error_bytes > 0 or not margin_free:  # a margin-free try that the margin covers needs none
                 correction_bytes += max(1, error_bytes)
@@ -351,12 +369,12 @@ def plan(
         micro_batch_sizes=chosen.micro_batch_sizes,
         block_policies=chosen.block_policies,
         budget_bytes=budget_bytes,
-        predicted_peak_bytes=chosen.peak_bytes,
-        measured_peak_bytes=measured.peak_bytes if measured is not None else None,
+        predicted_peak_bytes=chosen.peak_bytes + reserve.total_bytes,
+        measured_peak_bytes=measured.peak_bytes + reserve.total_bytes if measured is not None else None,
         predicted_seconds_per_step=chosen.seconds_per_step,
-        peak_parts=chosen.parts,
+        peak_parts=chosen.parts + reserve.parts,
         frontier=_frontier(result),
-        minimum_bytes=result.minimum.peak_bytes,
+        minimum_bytes=result.minimum.peak_bytes + reserve.total_bytes,
         cuda_max_allocated_bytes=measured.cuda_max_allocated_bytes if measured is not None else None,
         trials=trials,
         planning_seconds=time.perf_counter() - began,
