@@ -441,7 +441,7 @@ def _device_of(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer |
     if optimizer is not None:
         for group in optimizer.param_groups:
             for parameter in group["params"]:
-                return parameter.device
+                return torch.device(parameter.device)
     return None
 
 
