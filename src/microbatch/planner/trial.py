@@ -47,6 +47,7 @@ from ..profile import (
     preserved_state,
     profile_workload,
 )
+from ..profile.stash import optimizer_instance
 from ..workload import Workload, load_workload
 from .plan import FrontierPoint, Plan, summarize_policies
 from .reserve import outside_the_model
@@ -73,7 +74,7 @@ def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
     May raise an out-of-memory error; the model is restored either way.
     """
     model, device = workload.model, workload.device
-    with preserved_state(model):
+    with preserved_state(model, optimizer=optimizer_instance(workload)):
         model.train()
         optimizer = workload.make_optimizer()
         _create_optimizer_state(model, optimizer)
