@@ -100,3 +100,20 @@ def test_preserved_state_restores_an_optimizer_instance_and_grads() -> None:
         for key, value in saved.items():
             got = optimizer.state[parameter][key]
             assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value, key
+
+
+def test_profiling_extends_to_the_micro_batch_the_search_chooses(monkeypatch: Any) -> None:
+    from microbatch.planner import trial
+
+    profiled: list[int] = []
+    original = trial.profile_workload
+
+    def spy(workload: Workload, **options: Any) -> Any:
+        profile = original(workload, **options)
+        profiled.append(max(profile.micro_batch_sizes))
+        return profile
+
+    monkeypatch.setattr(trial, "profile_workload", spy)
+    chosen = plan(_workload(), batch=64, memory="1GiB", trial=False)
+    assert chosen.micro_batch_size == 64  # ample memory: no accumulation
+    assert profiled == [16, 64]  # the first profile stops at 16; the choice is then measured

@@ -223,6 +223,40 @@ def _faster_without_margin(
     return model.evaluate(bold.micro_batch_sizes, dict(bold.block_policies))
 
 
+def _extend_profile(
+    workload: Workload,
+    profile: Profile,
+    *,
+    per_rank_batch: int,
+    capacity_bytes: int,
+    blocks: BlockSpec,
+    policies: Sequence[str] | None,
+    progress: ProgressFn | None,
+) -> Profile:
+    """The profile again, up to the micro-batch the search chooses, when that is beyond the sizes measured.
+
+    Costs fitted on small micro-batches do not extrapolate to large ones (kernels leave the
+    launch-bound regime, attention switches backends), so a choice beyond the profiled sizes is
+    measured before it is trusted. Only a size the budget allows is profiled: the search chose it.
+    """
+    best = search(profile, per_rank_batch=per_rank_batch, capacity_bytes=capacity_bytes).best
+    measured_up_to = max(profile.micro_batch_sizes, default=0)
+    if best is None or best.micro_batch_size <= measured_up_to:
+        return profile
+    logger.info(
+        "the search chose micro-batch %d, beyond the profiled sizes (up to %d): profiling up to it",
+        best.micro_batch_size,
+        measured_up_to,
+    )
+    return profile_workload(
+        workload,
+        max_micro_batch_size=best.micro_batch_size,
+        blocks=blocks,
+        policies=policies,
+        progress=progress,
+    )
+
+
 def _no_plan(
     profile: Profile, result: SearchResult, budget_bytes: int, trials: int, notes: Sequence[str]
 ) -> InfeasibleBudgetError:
@@ -260,7 +294,7 @@ def plan(
     profile: Profile | None = None,
     trial: bool = True,
     max_trials: int = DEFAULT_MAX_TRIALS,
-    max_profile_micro_batch_size: int = DEFAULT_MAX_PROFILE_SIZE,
+    max_profile_micro_batch_size: int | None = None,
     progress: ProgressFn | None = None,
     gradient_as_bucket_view: bool = False,
 ) -> Plan:
@@ -270,6 +304,8 @@ def plan(
     ``blocks`` / ``policies``: which blocks may be checkpointed and how (default: "auto", and none,
     full, selective, plus offload on accelerators). ``profile``: reuse one from ``profile_workload``.
     ``trial``: prove the plan in one real window (recommended; False trusts the model).
+    ``max_profile_micro_batch_size``: the largest size profiled; by default 16, extended to the
+    micro-batch the search chooses when that is larger (profiled before it is trusted).
     ``gradient_as_bucket_view``: with world_size > 1 the plan counts DDP's gradient buckets, a
     second copy of the gradients, unless DDP will run with gradient_as_bucket_view=True.
     The budget: peak live tensor bytes on the CPU; on CUDA peak reserved bytes of the caching
@@ -289,10 +325,23 @@ def plan(
         gradient_as_bucket_view=gradient_as_bucket_view,
     )
     _refuse_budget_below_weights(workload, budget_bytes - reserve.total_bytes)
+    extend = profile is None and max_profile_micro_batch_size is None
     if profile is None:
         profile = profile_workload(
             workload,
-            max_micro_batch_size=min(per_rank_batch, max_profile_micro_batch_size),
+            max_micro_batch_size=min(
+                per_rank_batch, max_profile_micro_batch_size or DEFAULT_MAX_PROFILE_SIZE
+            ),
+            blocks=blocks,
+            policies=policies,
+            progress=progress,
+        )
+    if extend:
+        profile = _extend_profile(
+            workload,
+            profile,
+            per_rank_batch=per_rank_batch,
+            capacity_bytes=budget_bytes - reserve.total_bytes,
             blocks=blocks,
             policies=policies,
             progress=progress,
