@@ -74,6 +74,8 @@ def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
     May raise an out-of-memory error; the model is restored either way.
     """
     model, device = workload.model, workload.device
+    # Segments cached by earlier runs would count as reserved: start from what is alive.
+    free_memory(device)
     with preserved_state(model, optimizer=optimizer_instance(workload)):
         model.train()
         optimizer = workload.make_optimizer()
