@@ -73,6 +73,7 @@ class Sizes:
     batch_llama: int
     windows: int  # timed windows per mechanism (after one warm-up)
     profile_max: int
+    names: tuple[str, str] = ("gpt-small", "llama-1b")
 
 
 FULL = Sizes(
@@ -98,6 +99,7 @@ DRY = Sizes(
     batch_llama=8,
     windows=1,
     profile_max=4,
+    names=("gpt-tiny (dry run)", "llama-tiny (dry run)"),
 )
 
 
@@ -108,7 +110,9 @@ def gpt_small(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> Workloa
     torch.manual_seed(0)
     model = GPT(sizes.gpt).to(device=device, dtype=dtype)
     tokens = VarlenTokens(block_size=sizes.gpt.block_size, min_length=sizes.gpt.block_size, seed=1)
-    return Workload(model=model, make_batch=tokens, loss=gpt_loss, optimizer=gpt_optimizer, name="gpt-small")
+    return Workload(
+        model=model, make_batch=tokens, loss=gpt_loss, optimizer=gpt_optimizer, name=sizes.names[0]
+    )
 
 
 def llama_1b(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> tuple[Workload, str]:
@@ -147,7 +151,7 @@ def llama_1b(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> tuple[Wo
         ids = torch.randint(0, shape["vocab"], (size, shape["seq"]), generator=generator)
         return {"input_ids": ids, "labels": ids.clone()}  # no attention_mask: no padding, no mask syncs
 
-    workload = causal_lm_workload(model, make_batch, name="llama-1b", check_loss=False)
+    workload = causal_lm_workload(model, make_batch, name=sizes.names[1], check_loss=False)
     return workload, "transformers LlamaConfig"
 
 
@@ -498,7 +502,7 @@ def part_oom(workload: Workload, batch: int, sizes: Sizes) -> list[list[Any]]:
     finally:
         del ballast
         free_memory(device)
-    expected = batch * (sizes.gpt.block_size if workload.name == "gpt-small" else 1)
+    expected = batch * sizes.gpt.block_size  # every token of every sequence is counted
     recovered = [note for note in chosen.notes if "out of memory" in note]
     return [[
         workload.name, how, len(recovered), f"{chosen.micro_batch_size} x {chosen.steps}", chosen.trials,

@@ -30,7 +30,9 @@ def test_gpu_benchmark_dry_run() -> None:
     report = json.loads(done.stdout)
     assert report["title"] == "GPU" and report["dry_run"] is True
     markdown = report["markdown"]
-    accuracy = [line for line in markdown.splitlines() if line.startswith("| gpt-small |") and "MiB" in line]
+    accuracy = [
+        line for line in markdown.splitlines() if line.startswith("| gpt-tiny (dry run) |") and "MiB" in line
+    ]
     assert accuracy, markdown
     assert "**NO**" not in markdown  # every peak fits its budget; the OOM was recovered
     oom = [line for line in markdown.splitlines() if "simulated (torch.OutOfMemoryError" in line]
