@@ -111,7 +111,7 @@ def _validate_steps_value(value: object, where: str) -> int:
 
 def _validate_items(items: object) -> float | torch.Tensor:
     """A number checked now, or a one-element tensor kept on its device (its value is checked once
-    per window, in step(), so that no micro-batch waits for the device: see _tensor_items_flags)."""
+    per window, in step(), so that no micro-batch waits for the device: see _note_tensor_items)."""
     if isinstance(items, bool):
         raise ConfigError(f"items must be a positive count of samples or tokens, got {items!r}")
     if isinstance(items, torch.Tensor):
