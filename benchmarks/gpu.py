@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import results
 from microbatch import Accumulator, checkpoint
-from microbatch.allocator import outside_allocator_bytes
+from microbatch.allocator import expandable_segments_enabled, outside_allocator_bytes, replay
 from microbatch.batching import move_batch
 from microbatch.checkpoint import find_blocks
 from microbatch.memory import MemoryTracker, format_bytes
@@ -170,6 +170,7 @@ class Window:
     reserved_bytes: int | None
     device_used_bytes: int | None
     items: int
+    modelled_reserved_bytes: int  # the warm-up window's allocations replayed through microbatch.allocator
 
 
 def split_sizes(batch: int, micro: int) -> list[int]:
@@ -209,7 +210,8 @@ def run_windows(
     """A warm-up window, then ``windows`` timed ones; the model is restored after.
 
     Peaks: CUDA's allocator statistics over all windows; on the CPU MemoryTracker over the warm-up
-    window (the tracker slows every op, so the timed windows run without it).
+    window (the tracker slows every op, so the timed windows run without it). The warm-up window's
+    allocations, replayed through the caching-allocator model, give the modelled reserved peak.
     """
     model, device = workload.model, workload.device
     data = [[workload.make_batch(size) for size in sizes] for _ in range(windows + 1)]
@@ -222,8 +224,9 @@ def run_windows(
         accumulator = Accumulator(model, optimizer, steps=len(sizes))
         times, items, tracker = [], 0, None
         for index, window in enumerate(data):
-            tracking = index == 0 and device.type != "cuda"
-            tracker = MemoryTracker(device, model=model, optimizer=optimizer) if tracking else tracker
+            tracking = index == 0
+            if tracking:
+                tracker = MemoryTracker(device, model=model, optimizer=optimizer, record_allocations=True)
             synchronize(device)
             began = time.perf_counter()
             with tracker if tracking and tracker is not None else contextlib.nullcontext():
@@ -235,6 +238,8 @@ def run_windows(
             synchronize(device)
             times.append(time.perf_counter() - began)
         del optimizer, accumulator
+    assert tracker is not None and tracker.allocation_events is not None
+    modelled = replay(tracker.allocation_events, expandable_segments=expandable_segments_enabled())
     if device.type == "cuda":
         free_bytes, total_bytes = torch.cuda.mem_get_info(device)
         return Window(
@@ -243,9 +248,10 @@ def run_windows(
             int(torch.cuda.max_memory_reserved(device)),
             int(total_bytes - free_bytes),
             items,
+            modelled.peak_reserved_bytes,
         )
-    peak = tracker.peak_bytes if tracker is not None else 0
-    return Window(statistics.median(times[1:] or times), peak, None, None, items)
+    seconds = statistics.median(times[1:] or times)
+    return Window(seconds, tracker.peak_bytes, None, None, items, modelled.peak_reserved_bytes)
 
 
 def finder(
@@ -304,6 +310,7 @@ def part_budgets(
             workload.name, format_bytes(budget), f"{chosen.micro_batch_size} x {chosen.steps}",
             summarize(chosen.policies), format_bytes(chosen.predicted_peak_bytes),
             format_bytes(ran.allocated_bytes),
+            format_bytes(ran.modelled_reserved_bytes + reserve),
             format_bytes(measured) if ran.reserved_bytes is not None else "n/a",
             format_bytes(ran.device_used_bytes) if ran.device_used_bytes is not None else "n/a",
             f"{error:+.1%}", "yes" if measured <= budget else "**NO**",
@@ -619,6 +626,7 @@ def render(
                 "checkpointed",
                 "predicted",
                 "allocated",
+                "modelled reserved + outside",
                 "reserved + outside",
                 "device used",
                 "error",

@@ -171,3 +171,18 @@ def test_model_matches_torch_reserved_peak_on_cuda() -> None:
     assert torch.cuda.max_memory_allocated() == peaks.peak_allocated_bytes
     del tensors
     torch.cuda.empty_cache()
+
+
+def test_tracker_events_replay_into_reserved_bytes() -> None:
+    """MemoryTracker(record_allocations=True) gives the sequence the allocator model replays."""
+    from microbatch.memory import MemoryTracker
+
+    with MemoryTracker("cpu", record_allocations=True) as tracker:
+        a = torch.empty(3 * MiB, dtype=torch.uint8)
+        b = torch.empty(12 * MiB, dtype=torch.uint8)  # best fit: the 17 MiB left of a's 20 MiB segment
+        del a
+        c = torch.empty(2 * MiB, dtype=torch.uint8)  # a's freed 3 MiB block
+        del b, c
+    assert tracker.allocation_events == [3 * MiB, 12 * MiB, -1, 2 * MiB, -2, -3]
+    peaks = replay(tracker.allocation_events or [])
+    assert (peaks.peak_allocated_bytes, peaks.peak_reserved_bytes) == (15 * MiB, 20 * MiB)

@@ -270,15 +270,18 @@ class CachingAllocatorModel:
 
 
 def replay(events: Iterable[int], *, expandable_segments: bool = False) -> AllocatorPeaks:
-    """Peaks of a sequence of events: a positive number allocates that many bytes, ``-k`` frees the
-    k-th allocation (counting from 1, in the order made)."""
+    """Peaks of a sequence of events: n >= 0 allocates n bytes (0: nothing, as CUDA does), ``-k``
+    frees the k-th allocation (counting from 1, in the order made). MemoryTracker(record_allocations=True)
+    records such a sequence."""
     model = CachingAllocatorModel(expandable_segments=expandable_segments)
-    handles: list[int] = []
+    handles: list[int | None] = []
     for event in events:
-        if event > 0:
-            handles.append(model.malloc(event))
-        elif event < 0:
-            model.free(handles[-event - 1])
+        if event >= 0:
+            handles.append(model.malloc(event) if event > 0 else None)
+        else:
+            handle = handles[-event - 1]
+            if handle is not None:
+                model.free(handle)
     return AllocatorPeaks(model.peak_allocated_bytes, model.peak_reserved_bytes)
 
 

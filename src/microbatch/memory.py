@@ -124,6 +124,7 @@ class _Storage:
     category: str
     seq: int  # allocation order; a storage with seq <= peak_seq that is still alive was alive at the peak
     ref: weakref.ref[torch.UntypedStorage]
+    event: int = 0  # its number in allocation_events (from 1), when recorded
 
 
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:
@@ -192,6 +193,7 @@ class MemoryTracker:
         *,
         model: torch.nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        record_allocations: bool = False,
     ) -> None:
         # Without device=, the model's (or the optimizer's) device; failing those, the device of the
         # first tensor the block uses. Never "the GPU because one exists": a CPU model on a GPU
@@ -203,6 +205,10 @@ class MemoryTracker:
         self.device = _resolved(torch.device(device) if device is not None else torch.device("cpu"))
         self._model = model
         self._optimizer = optimizer
+        # With record_allocations: n >= 0 for a storage of n bytes first seen, -k when the k-th is
+        # freed (what microbatch.allocator.replay takes, to state the peak in CUDA reserved bytes).
+        self.allocation_events: list[int] | None = [] if record_allocations else None
+        self._allocations = 0
         self.peak_bytes = 0
         self.breakdown: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.cuda_max_allocated_bytes: int | None = None
@@ -324,6 +330,10 @@ class MemoryTracker:
         nbytes = self._storage_bytes(storage)
         self._seq += 1
         entry = _Storage(nbytes, category, self._seq, weakref.ref(storage, self._freed_callback(key)))
+        if self.allocation_events is not None:
+            self.allocation_events.append(int(storage.nbytes()))
+            self._allocations += 1
+            entry.event = self._allocations
         self._live[key] = entry
         self._totals[category] += nbytes
         self._current_bytes += nbytes
@@ -332,6 +342,8 @@ class MemoryTracker:
     def _freed_callback(self, key: int) -> Callable[[Any], None]:
         def freed(_: Any) -> None:
             entry = self._live.pop(key, None)
+            if entry is not None and entry.event and self.allocation_events is not None:
+                self.allocation_events.append(-entry.event)
             if entry is not None:
                 self._totals[entry.category] -= entry.nbytes
                 self._current_bytes -= entry.nbytes
