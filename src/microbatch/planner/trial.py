@@ -181,13 +181,14 @@ def infeasible_error(profile: Profile, result: SearchResult, budget_bytes: int) 
     return InfeasibleBudgetError(message, minimum_bytes=minimum.peak_bytes, parts=dict(minimum.parts))
 
 
-def _frontier(result: SearchResult) -> tuple[FrontierPoint, ...]:
+def _frontier(result: SearchResult, reserve_bytes: int = 0) -> tuple[FrontierPoint, ...]:
+    """The search's frontier, its peaks stated like the budget (the reserve outside the model added)."""
     return tuple(
         FrontierPoint(
             micro_batch_size=c.micro_batch_size,
             steps=c.steps,
             block_policies=c.block_policies,
-            predicted_peak_bytes=c.peak_bytes,
+            predicted_peak_bytes=c.peak_bytes + reserve_bytes,
             seconds_per_step=c.seconds_per_step,
         )
         for c in result.frontier
@@ -425,7 +426,7 @@ def plan(
         measured_peak_bytes=measured.peak_bytes + reserve.total_bytes if measured is not None else None,
         predicted_seconds_per_step=chosen.seconds_per_step,
         peak_parts=chosen.parts + reserve.parts,
-        frontier=_frontier(result),
+        frontier=_frontier(result, reserve.total_bytes),
         minimum_bytes=result.minimum.peak_bytes + reserve.total_bytes,
         cuda_max_allocated_bytes=measured.cuda_max_allocated_bytes if measured is not None else None,
         trials=trials,
