@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
+from microbatch.errors import InfeasibleBudgetError
 from microbatch.memory import MemoryTracker
 from microbatch.planner import plan
 from microbatch.profile import preserved_state
@@ -102,7 +104,7 @@ def test_preserved_state_restores_an_optimizer_instance_and_grads() -> None:
             assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value, key
 
 
-def test_profiling_extends_to_the_micro_batch_the_search_chooses(monkeypatch: Any) -> None:
+def test_profiling_extends_to_the_micro_batch_the_search_chooses(monkeypatch: pytest.MonkeyPatch) -> None:
     from microbatch.planner import trial
 
     profiled: list[int] = []
@@ -117,3 +119,14 @@ def test_profiling_extends_to_the_micro_batch_the_search_chooses(monkeypatch: An
     chosen = plan(_workload(), batch=64, memory="1GiB", trial=False)
     assert chosen.micro_batch_size == 64  # ample memory: no accumulation
     assert profiled == [16, 64]  # the first profile stops at 16; the choice is then measured
+
+
+def test_ddp_buckets_are_in_the_refusal_for_two_ranks() -> None:
+    workload = _workload()
+    trainable = sum(p.numel() * p.element_size() for p in workload.model.parameters() if p.requires_grad)
+    parameters = sum(p.numel() * p.element_size() for p in workload.model.parameters())
+    # Enough for parameters + gradients on one rank, not with DDP's second copy of the gradients.
+    budget = parameters + trainable + trainable // 2
+    with pytest.raises(InfeasibleBudgetError, match="DDP gradient buckets") as caught:
+        plan(workload, batch=32, memory=budget, world_size=2, trial=False)
+    assert caught.value.minimum_bytes == parameters + 2 * trainable

@@ -50,7 +50,7 @@ from ..profile import (
 from ..profile.stash import optimizer_instance
 from ..workload import Workload, load_workload
 from .plan import FrontierPoint, Plan, summarize_policies
-from .reserve import outside_the_model
+from .reserve import BudgetReserve, outside_the_model, with_reserve
 from .search import Candidate, Model, SearchResult, search
 
 logger = logging.getLogger(__name__)
@@ -145,7 +145,9 @@ def _static_message(profile: Profile, budget_bytes: int) -> str | None:
     )
 
 
-def _refuse_budget_below_weights(workload: Workload, budget_bytes: int) -> None:
+def _refuse_budget_below_weights(
+    workload: Workload, budget_bytes: int, reserve: BudgetReserve | None = None
+) -> None:
     """Fail before profiling when parameters and their gradients alone exceed the budget.
 
     This lower bound needs no measurement; the full static count (optimizer state included) comes
@@ -155,7 +157,7 @@ def _refuse_budget_below_weights(workload: Workload, budget_bytes: int) -> None:
     gradient_bytes = sum(p.numel() * p.element_size() for p in workload.model.parameters() if p.requires_grad)
     total = parameter_bytes + gradient_bytes
     if total > budget_bytes:
-        raise InfeasibleBudgetError(
+        error = InfeasibleBudgetError(
             f"parameters {format_bytes(parameter_bytes)} + gradients {format_bytes(gradient_bytes)} = "
             f"{format_bytes(total)} already exceed the budget memory={format_bytes(budget_bytes)}, before "
             "any optimizer state or activation; no micro-batch size or checkpointing can fit. Raise memory, "
@@ -163,6 +165,7 @@ def _refuse_budget_below_weights(workload: Workload, budget_bytes: int) -> None:
             minimum_bytes=total,
             parts={"parameters": parameter_bytes, "gradients": gradient_bytes},
         )
+        raise with_reserve(error, reserve) if reserve is not None else error
 
 
 def infeasible_error(profile: Profile, result: SearchResult, budget_bytes: int) -> InfeasibleBudgetError:
@@ -327,7 +330,7 @@ def plan(
         world_size=world_size,
         gradient_as_bucket_view=gradient_as_bucket_view,
     )
-    _refuse_budget_below_weights(workload, budget_bytes - reserve.total_bytes)
+    _refuse_budget_below_weights(workload, budget_bytes - reserve.total_bytes, reserve)
     extend = profile is None and max_profile_micro_batch_size is None
     if profile is None:
         profile = profile_workload(
@@ -372,7 +375,7 @@ def plan(
             if faster is not None:
                 chosen, margin_free = faster, True
         if chosen is None:
-            raise _no_plan(profile, result, model_budget_bytes, trials, notes)
+            raise with_reserve(_no_plan(profile, result, model_budget_bytes, trials, notes), reserve)
         if not trial:
             break
         if trials >= max_trials:
