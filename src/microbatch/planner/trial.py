@@ -52,6 +52,7 @@ from ..workload import Workload, load_workload
 from .plan import FrontierPoint, Plan, summarize_policies
 from .reserve import BudgetReserve, outside_the_model, with_reserve
 from .search import Candidate, Model, SearchResult, search
+from .tokens import token_budget
 
 logger = logging.getLogger(__name__)
 
@@ -435,4 +436,5 @@ def plan(
         trials=trials,
         planning_seconds=time.perf_counter() - began,
         notes=tuple(notes),
+        max_tokens=token_budget(workload, chosen.micro_batch_size),
     )
