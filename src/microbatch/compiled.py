@@ -21,6 +21,7 @@ a compiled model is passed in, or recorded on the handle.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -29,10 +30,13 @@ import torch
 from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
+from .workload import Workload
+
 __all__ = [
     "COMPILED_FORMS",
     "COMPILED_PLAN_NOTE",
     "compiled_notice",
+    "eager_workload",
     "is_compiled",
     "is_compiling",
     "run_compiled",
@@ -115,3 +119,14 @@ def run_compiled(
     return torch_checkpoint.checkpoint(
         run, *args, *kwargs.values(), use_reentrant=False, preserve_rng_state=True
     )
+
+
+def eager_workload(workload: Workload) -> tuple[Workload, list[str]]:
+    """The workload with a compiled model's eager module, and the note saying so (for the planner).
+
+    Profiling the compiled module would recompile it for every size and policy, using up dynamo's
+    recompile limit, after which training silently runs eagerly; the eager module leaves compile alone.
+    """
+    if not is_compiled(workload.model):
+        return workload, []
+    return dataclasses.replace(workload, model=unwrap_compiled(workload.model)), [COMPILED_PLAN_NOTE]

@@ -25,6 +25,7 @@ from torch import nn
 from ..batchnorm import batchnorm_layers
 from ..errors import ConfigError
 from ..profile import Profile
+from ..workload import Workload
 from .search import Candidate, search
 
 logger = logging.getLogger(__name__)
@@ -142,3 +143,27 @@ def even_batch(
     if nearest is None:
         return per_rank_batch, []
     return nearest, [warn_batch_changed(per_rank_batch * world_size, nearest * world_size, rules)]
+
+
+def profile_with_rules(
+    profile_fn: Callable[..., Profile],
+    workload: Workload,
+    rules: SplitRules,
+    per_rank_batch: int,
+    max_profile_size: int,
+    **options: Any,
+) -> Profile:
+    """``profile_fn`` (profile_workload) at sizes no smaller than the rules allow; BatchNorm's
+    failure at micro-batch 1 explained."""
+    try:
+        return profile_fn(
+            workload,
+            micro_batch_sizes=rules.profile_sizes(per_rank_batch, max_profile_size),
+            max_micro_batch_size=min(per_rank_batch, max_profile_size),
+            **options,
+        )
+    except ValueError as error:
+        explained = profiling_error(error, rules)
+        if explained is None:
+            raise
+        raise explained from error

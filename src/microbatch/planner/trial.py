@@ -26,20 +26,18 @@ parameters, buffers, gradients, mode and the RNG are restored afterwards.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ..accumulate import Accumulator
 from ..batching import move_batch
 from ..checkpoint import BlockSpec, checkpoint
-from ..compiled import COMPILED_PLAN_NOTE, is_compiled, unwrap_compiled
+from ..compiled import eager_workload
 from ..errors import ConfigError, InfeasibleBudgetError
 from ..memory import MemoryTracker, format_bytes, parse_bytes
 from ..oom import free_memory, is_out_of_memory
@@ -50,9 +48,11 @@ from ..profile import (
     preserved_state,
     profile_workload,
 )
+from ..profile.stash import optimizer_instance
 from ..workload import Workload, load_workload
 from .plan import FrontierPoint, Plan, summarize_policies
-from .rules import SplitRules, batchnorm_note, even_batch, profiling_error
+from .reserve import BudgetReserve, outside_the_model, with_reserve
+from .rules import SplitRules, batchnorm_note, even_batch, profile_with_rules
 from .search import Candidate, Model, SearchResult, _rank, search
 from .tokens import token_budget
 
@@ -64,8 +64,11 @@ DEFAULT_MAX_PROFILE_SIZE = 16
 
 @dataclass(frozen=True)
 class TrialResult:
-    peak_bytes: int  # MemoryTracker's peak, or the CUDA allocator's where that is higher
+    # On CUDA the caching allocator's peak reserved bytes (what an OOM is decided on); elsewhere
+    # MemoryTracker's peak live tensor bytes. Memory outside the allocator is added by the caller.
+    peak_bytes: int
     cuda_max_allocated_bytes: int | None
+    cuda_max_reserved_bytes: int | None = None
 
 
 def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
@@ -74,7 +77,9 @@ def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
     May raise an out-of-memory error; the model is restored either way.
     """
     model, device = workload.model, workload.device
-    with preserved_state(model):
+    # Segments cached by earlier runs would count as reserved: start from what is alive.
+    free_memory(device)
+    with preserved_state(model, optimizer=optimizer_instance(workload)):
         model.train()
         optimizer = workload.make_optimizer()
         _create_optimizer_state(model, optimizer)
@@ -103,9 +108,9 @@ def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
             for parameter in model.parameters():
                 parameter.grad = None
     measured = tracker.peak_bytes
-    if tracker.cuda_max_allocated_bytes is not None:
-        measured = max(measured, tracker.cuda_max_allocated_bytes)
-    return TrialResult(measured, tracker.cuda_max_allocated_bytes)
+    if tracker.cuda_max_reserved_bytes is not None:
+        measured = max(measured, tracker.cuda_max_reserved_bytes)
+    return TrialResult(measured, tracker.cuda_max_allocated_bytes, tracker.cuda_max_reserved_bytes)
 
 
 def trial_sizes(micro_batch_sizes: Sequence[int]) -> list[int]:
@@ -144,7 +149,9 @@ def _static_message(profile: Profile, budget_bytes: int) -> str | None:
     )
 
 
-def _refuse_budget_below_weights(workload: Workload, budget_bytes: int) -> None:
+def _refuse_budget_below_weights(
+    workload: Workload, budget_bytes: int, reserve: BudgetReserve | None = None
+) -> None:
     """Fail before profiling when parameters and their gradients alone exceed the budget.
 
     This lower bound needs no measurement; the full static count (optimizer state included) comes
@@ -154,7 +161,7 @@ def _refuse_budget_below_weights(workload: Workload, budget_bytes: int) -> None:
     gradient_bytes = sum(p.numel() * p.element_size() for p in workload.model.parameters() if p.requires_grad)
     total = parameter_bytes + gradient_bytes
     if total > budget_bytes:
-        raise InfeasibleBudgetError(
+        error = InfeasibleBudgetError(
             f"parameters {format_bytes(parameter_bytes)} + gradients {format_bytes(gradient_bytes)} = "
             f"{format_bytes(total)} already exceed the budget memory={format_bytes(budget_bytes)}, before "
             "any optimizer state or activation; no micro-batch size or checkpointing can fit. Raise memory, "
@@ -162,6 +169,7 @@ def _refuse_budget_below_weights(workload: Workload, budget_bytes: int) -> None:
             minimum_bytes=total,
             parts={"parameters": parameter_bytes, "gradients": gradient_bytes},
         )
+        raise with_reserve(error, reserve) if reserve is not None else error
 
 
 def infeasible_error(profile: Profile, result: SearchResult, budget_bytes: int) -> InfeasibleBudgetError:
@@ -180,13 +188,14 @@ def infeasible_error(profile: Profile, result: SearchResult, budget_bytes: int) 
     return InfeasibleBudgetError(message, minimum_bytes=minimum.peak_bytes, parts=dict(minimum.parts))
 
 
-def _frontier(result: SearchResult) -> tuple[FrontierPoint, ...]:
+def _frontier(result: SearchResult, reserve_bytes: int = 0) -> tuple[FrontierPoint, ...]:
+    """The search's frontier, its peaks stated like the budget (the reserve outside the model added)."""
     return tuple(
         FrontierPoint(
             micro_batch_size=c.micro_batch_size,
             steps=c.steps,
             block_policies=c.block_policies,
-            predicted_peak_bytes=c.peak_bytes,
+            predicted_peak_bytes=c.peak_bytes + reserve_bytes,
             seconds_per_step=c.seconds_per_step,
         )
         for c in result.frontier
@@ -198,7 +207,7 @@ def _attempt(workload: Workload, candidate: Candidate) -> TrialResult | None:
     out_of_memory = False
     try:
         return run_trial(workload, candidate)
-    except RuntimeError as error:
+    except (RuntimeError, MemoryError) as error:
         if not is_out_of_memory(error):
             raise
         out_of_memory = True
@@ -233,6 +242,39 @@ def _faster_without_margin(
     return model.evaluate(bold.micro_batch_sizes, dict(bold.block_policies))
 
 
+def _extend_profile(
+    workload: Workload,
+    profile: Profile,
+    *,
+    per_rank_batch: int,
+    capacity_bytes: int,
+    blocks: BlockSpec,
+    policies: Sequence[str] | None,
+    progress: ProgressFn | None,
+    rules: SplitRules | None = None,
+) -> Profile:
+    """The profile again, up to the micro-batch the search chooses, when that is beyond the sizes measured.
+
+    Costs fitted on small micro-batches do not extrapolate to large ones (kernels leave the
+    launch-bound regime, attention switches backends), so a choice beyond the profiled sizes is
+    measured before it is trusted. Only a size the budget allows is profiled: the search chose it.
+    """
+    rules = rules or SplitRules()
+    options = rules.search_options()
+    best = search(profile, per_rank_batch=per_rank_batch, capacity_bytes=capacity_bytes, **options).best
+    measured_up_to = max(profile.micro_batch_sizes, default=0)
+    if best is None or best.micro_batch_size <= measured_up_to:
+        return profile
+    logger.info(
+        "the search chose micro-batch %d, beyond the profiled sizes (up to %d): profiling up to it",
+        best.micro_batch_size,
+        measured_up_to,
+    )
+    size = best.micro_batch_size  # sizes no smaller than the rules allow
+    options = {"blocks": blocks, "policies": policies, "progress": progress}
+    return profile_with_rules(profile_workload, workload, rules, size, size, **options)
+
+
 def _no_plan(
     profile: Profile, result: SearchResult, budget_bytes: int, trials: int, notes: Sequence[str]
 ) -> InfeasibleBudgetError:
@@ -245,35 +287,6 @@ def _no_plan(
         minimum_bytes=result.minimum.peak_bytes,
         parts=dict(result.minimum.parts),
     )
-
-
-def _eager_inside_compile(workload: Workload) -> tuple[Workload, list[str]]:
-    """The workload with a compiled model's eager module, and the note saying so.
-
-    Profiling the compiled module would recompile it for every size and policy, using up dynamo's
-    recompile limit, after which training silently runs eagerly; the eager module leaves compile alone.
-    """
-    if not is_compiled(workload.model):
-        return workload, []
-    return dataclasses.replace(workload, model=unwrap_compiled(workload.model)), [COMPILED_PLAN_NOTE]
-
-
-def _profile(
-    workload: Workload, rules: SplitRules, per_rank_batch: int, max_profile_size: int, **options: Any
-) -> Profile:
-    """profile_workload at sizes no smaller than the rules allow; BatchNorm's failure at 1 explained."""
-    try:
-        return profile_workload(
-            workload,
-            micro_batch_sizes=rules.profile_sizes(per_rank_batch, max_profile_size),
-            max_micro_batch_size=min(per_rank_batch, max_profile_size),
-            **options,
-        )
-    except ValueError as error:
-        explained = profiling_error(error, rules)
-        if explained is None:
-            raise
-        raise explained from error
 
 
 def _validate(batch: int, world_size: int) -> int:
@@ -299,8 +312,9 @@ def plan(
     profile: Profile | None = None,
     trial: bool = True,
     max_trials: int = DEFAULT_MAX_TRIALS,
-    max_profile_micro_batch_size: int = DEFAULT_MAX_PROFILE_SIZE,
+    max_profile_micro_batch_size: int | None = None,
     progress: ProgressFn | None = None,
+    gradient_as_bucket_view: bool = False,
     min_micro_batch_size: int = 1,
     even: bool = False,
     prefer_large_micro_batches: bool = False,
@@ -311,6 +325,12 @@ def plan(
     ``blocks`` / ``policies``: which blocks may be checkpointed and how (default: "auto", and none,
     full, selective, plus offload on accelerators). ``profile``: reuse one from ``profile_workload``.
     ``trial``: prove the plan in one real window (recommended; False trusts the model).
+    ``max_profile_micro_batch_size``: the largest size profiled; by default 16, extended to the
+    micro-batch the search chooses when that is larger (profiled before it is trusted).
+    ``gradient_as_bucket_view``: with world_size > 1 the plan counts DDP's gradient buckets, a
+    second copy of the gradients, unless DDP will run with gradient_as_bucket_view=True.
+    The budget: peak live tensor bytes on the CPU; on CUDA peak reserved bytes of the caching
+    allocator plus what is measured outside it (see planner.reserve).
     ``min_micro_batch_size``, ``even``, ``prefer_large_micro_batches``: how the batch may be split
     (planner/rules.py). A torch.compile'd model is profiled eagerly (the module inside it).
     Raises InfeasibleBudgetError when no plan fits; never lets an out-of-memory error escape.
@@ -318,18 +338,40 @@ def plan(
     began = time.perf_counter()
     if isinstance(workload, str):
         workload = load_workload(workload)
-    workload, compile_notes = _eager_inside_compile(workload)
+    workload, compile_notes = eager_workload(workload)
     per_rank_batch = _validate(batch, world_size)
     rules = SplitRules(min_micro_batch_size, even, prefer_large_micro_batches)
     rules.check_batch(per_rank_batch, world_size)
     budget_bytes = parse_bytes(memory, device=workload.device, name="memory")
-    _refuse_budget_below_weights(workload, budget_bytes)
+    reserve = outside_the_model(
+        workload,
+        budget_bytes,
+        memory=memory,
+        world_size=world_size,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+    )
+    _refuse_budget_below_weights(workload, budget_bytes - reserve.total_bytes, reserve)
+    extend = profile is None and max_profile_micro_batch_size is None
     if profile is None:
         options = {"blocks": blocks, "policies": policies, "progress": progress}
-        profile = _profile(workload, rules, per_rank_batch, max_profile_micro_batch_size, **options)
-    per_rank_batch, even_notes = even_batch(profile, per_rank_batch, budget_bytes, rules, world_size)
+        largest = max_profile_micro_batch_size or DEFAULT_MAX_PROFILE_SIZE
+        profile = profile_with_rules(profile_workload, workload, rules, per_rank_batch, largest, **options)
+    if extend:
+        profile = _extend_profile(
+            workload,
+            profile,
+            per_rank_batch=per_rank_batch,
+            capacity_bytes=budget_bytes - reserve.total_bytes,
+            blocks=blocks,
+            policies=policies,
+            progress=progress,
+            rules=rules,
+        )
+    # What the profiled model may use: the budget less what lives outside it (see BudgetReserve).
+    model_budget_bytes = budget_bytes - reserve.total_bytes
+    per_rank_batch, even_notes = even_batch(profile, per_rank_batch, model_budget_bytes, rules, world_size)
     batch = per_rank_batch * world_size
-    notes = list(profile.notes) + compile_notes + even_notes
+    notes = [*profile.notes, *reserve.notes, *compile_notes, *even_notes]
     correction_bytes = 0
     # After an out-of-memory error, plans predicted (before correction) at or above this are out.
     oom_limit_bytes = math.inf
@@ -337,7 +379,7 @@ def plan(
     measured: TrialResult | None = None
     margin_free_pending = trial
     while True:
-        capacity = min(budget_bytes, oom_limit_bytes - 1 + correction_bytes)
+        capacity = min(model_budget_bytes, oom_limit_bytes - 1 + correction_bytes)
         result = search(
             profile,
             per_rank_batch=per_rank_batch,
@@ -356,7 +398,7 @@ def plan(
             if faster is not None:
                 chosen, margin_free = faster, True
         if chosen is None:
-            raise _no_plan(profile, result, budget_bytes, trials, notes)
+            raise with_reserve(_no_plan(profile, result, model_budget_bytes, trials, notes), reserve)
         if not trial:
             break
         if trials >= max_trials:
@@ -380,7 +422,7 @@ def plan(
             floor = result.minimum.peak_bytes - correction_bytes
             oom_limit_bytes = min(oom_limit_bytes, failed - max(1, (failed - floor) // 2))
             notes.append(f"trial {trials}: {what} ran out of memory; re-planned below it")
-        elif measured.peak_bytes > budget_bytes:
+        elif measured.peak_bytes > model_budget_bytes:
             error_bytes = measured.peak_bytes - chosen.peak_bytes
             if error_bytes > 0 or not margin_free:  # a margin-free try that the margin covers needs none
                 correction_bytes += max(1, error_bytes)
@@ -408,12 +450,12 @@ def plan(
         micro_batch_sizes=chosen.micro_batch_sizes,
         block_policies=chosen.block_policies,
         budget_bytes=budget_bytes,
-        predicted_peak_bytes=chosen.peak_bytes,
-        measured_peak_bytes=measured.peak_bytes if measured is not None else None,
+        predicted_peak_bytes=chosen.peak_bytes + reserve.total_bytes,
+        measured_peak_bytes=measured.peak_bytes + reserve.total_bytes if measured is not None else None,
         predicted_seconds_per_step=chosen.seconds_per_step,
-        peak_parts=chosen.parts,
-        frontier=_frontier(result),
-        minimum_bytes=result.minimum.peak_bytes,
+        peak_parts=chosen.parts + reserve.parts,
+        frontier=_frontier(result, reserve.total_bytes),
+        minimum_bytes=result.minimum.peak_bytes + reserve.total_bytes,
         cuda_max_allocated_bytes=measured.cuda_max_allocated_bytes if measured is not None else None,
         trials=trials,
         planning_seconds=time.perf_counter() - began,

@@ -21,6 +21,7 @@ from ..errors import CheckpointError, ConfigError, InfeasibleBudgetError, Worklo
 from ..memory import MemoryTracker, device_memory_bytes
 from ..oom import free_memory, is_out_of_memory
 from ..workload import Workload
+from . import stash
 from .costs import BYTES_FLOOR, NONE, SECONDS_FLOOR, Fit, PolicyCost, Profile, SegmentProfile
 from .timeline import BEFORE, END, END_FORWARD, Recorder, Run, SegmentRun, gap_names, split, unique_bytes
 
@@ -30,27 +31,16 @@ ProgressFn = Callable[[str, int, int], None]  # (what is running, runs done, run
 
 
 @contextlib.contextmanager
-def preserved_state(model: nn.Module) -> Iterator[None]:
-    """Parameters, gradients, buffers, train/eval mode and the global RNG come back as they were.
+def preserved_state(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+    """Parameters, gradients, buffers, train/eval mode, ``optimizer``'s state and the RNG (CPU and
+    every CUDA device of the model) come back exactly as they were.
 
-    Copies live in host memory, so the device holds nothing extra while profiling.
+    Never a second copy on the model's device (see stash.py): what may change is kept in host
+    memory for a model on an accelerator and in a temporary file for a model in host memory.
+    Frozen parameters (requires_grad=False) are not copied: no optimizer updates them.
     """
-    tensors = [*model.parameters(), *model.buffers()]
-    saved = [tensor.detach().to("cpu", copy=True) for tensor in tensors]
-    grads = [(p, p.grad) for p in model.parameters()]
-    modes = [(module, module.training) for module in model.modules()]
-    devices = [d.index or 0 for d in {t.device for t in tensors} if d.type == "cuda"]
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for tensor, copy in zip(tensors, saved, strict=True):
-                    tensor.copy_(copy)
-            for parameter, grad in grads:
-                parameter.grad = grad
-            for module, training in modes:
-                module.training = training
+    with stash.preserved(model, optimizer=optimizer):
+        yield
 
 
 def _micro_batch(
@@ -111,7 +101,7 @@ def _measure_optimizer(
         loss.backward()
         del loss
         optimizer.step()  # creates the optimizer's state
-    except RuntimeError as error:
+    except (RuntimeError, MemoryError) as error:
         if not is_out_of_memory(error):
             raise
         out_of_memory = True
@@ -187,7 +177,7 @@ def profile_workload(
     if repeats < 1 or warmup < 0:
         raise ConfigError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     found, chosen, notes = _blocks_and_policies(model, blocks, policies, device)
-    with preserved_state(model):
+    with preserved_state(model, optimizer=stash.optimizer_instance(workload)):
         model.train()
         for parameter in model.parameters():
             parameter.grad = None
@@ -318,7 +308,7 @@ class _Session:
             return _micro_batch(
                 self.workload, self.blocks, size, device, track=track, optimizer=self.optimizer
             )
-        except RuntimeError as error:
+        except (RuntimeError, MemoryError) as error:
             if not is_out_of_memory(error):
                 raise
             out_of_memory = True

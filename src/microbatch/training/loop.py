@@ -469,16 +469,18 @@ def _autocast(session: _Session) -> contextlib.AbstractContextManager[Any]:
 def evaluate(session: _Session) -> float:
     """Token-weighted mean validation loss over the fixed validation batches."""
     session.raw_model.eval()
-    total_loss, total_tokens = 0.0, 0
+    total_loss: torch.Tensor | float = 0.0
+    total_tokens: torch.Tensor | int = 0
     try:
         for batch in session.validation:
             with _autocast(session):
                 loss, tokens = gpt_loss(session.raw_model, move_batch(batch, session.device))
-            total_loss += float(loss) * tokens
-            total_tokens += tokens
+            # Summed on the device and read once at the end: no host sync per batch.
+            total_loss = total_loss + loss.double() * tokens
+            total_tokens = total_tokens + tokens
     finally:
         session.raw_model.train()
-    return total_loss / max(total_tokens, 1)
+    return float(total_loss) / max(int(total_tokens), 1)
 
 
 def _window_batches(session: _Session, window: int) -> list[dict[str, torch.Tensor]]:
@@ -506,7 +508,7 @@ def _run_window(session: _Session, micro_batches: list[dict[str, torch.Tensor]])
         with _autocast(session):
             loss, tokens = gpt_loss(session.model, micro.batch)
         # A micro-batch of padding only (impossible with ByteBatches' lengths >= 1) still needs items >= 1.
-        session.accumulator.backward(loss, items=max(tokens, 1))
+        session.accumulator.backward(loss, items=tokens.clamp(min=1))
         if micro.is_last:
             stats = session.accumulator.step()
     if stats is None:  # iterate() always ends a window with is_last; this guards the type only
