@@ -39,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-trial", action="store_true", help="trust the model: skip the real trial window")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--plot", metavar="PATH", help="draw the frontier (peak vs time per step) to PATH")
+    parser.add_argument(
+        "--out",
+        metavar="PLAN.json",
+        help="save the plan (Plan.load reads it; microbatch train --plan PLAN.json uses it)",
+    )
 
 
 class _Progress:
@@ -83,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         progress.close()
+    if args.out:
+        result.save(args.out)
     if args.plot:
         save_frontier_plot(result, args.plot)
     if args.json:
@@ -91,4 +98,6 @@ def run(args: argparse.Namespace) -> int:
         print(result)
         if args.plot:
             print(f"frontier plot: {args.plot}")
+        if args.out:
+            print(f"plan saved: {args.out}")
     return 0

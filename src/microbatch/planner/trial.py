@@ -361,4 +361,6 @@ def plan(
         trials=trials,
         planning_seconds=time.perf_counter() - began,
         notes=tuple(notes),
+        parameters=sum(parameter.numel() for parameter in workload.model.parameters()),
+        device=workload.device.type,
     )
