@@ -116,8 +116,20 @@ def test_plan_out_then_train_with_the_saved_plan(
     nano_plan.save(path)
     run_dir = tmp_path / "run"
     code = cli.main(
-        ["train", "--model", "gpt-nano", "--batch", "8", "--plan", str(path), "--steps", "1"]
-        + ["--no-progress", "--out", str(run_dir)]
+        [
+            "train",
+            "--model",
+            "gpt-nano",
+            "--batch",
+            "8",
+            "--plan",
+            str(path),
+            "--steps",
+            "1",
+            "--no-progress",
+            "--out",
+            str(run_dir),
+        ]
     )
     err = capsys.readouterr().err
     assert code == 0, err
@@ -142,8 +154,18 @@ def test_train_refuses_a_plan_for_another_model(
     path = tmp_path / "plan.json"
     dataclasses.replace(nano_plan, parameters=123).save(path)
     code = cli.main(
-        ["train", "--model", "gpt-nano", "--batch", "8", "--plan", str(path), "--no-trial"]
-        + ["--out", str(tmp_path / "r")]
+        [
+            "train",
+            "--model",
+            "gpt-nano",
+            "--batch",
+            "8",
+            "--plan",
+            str(path),
+            "--no-trial",
+            "--out",
+            str(tmp_path / "r"),
+        ]
     )
     err = capsys.readouterr().err
     assert code == 2, err
