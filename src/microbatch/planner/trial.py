@@ -49,7 +49,7 @@ from ..profile import (
 )
 from ..workload import Workload, load_workload
 from .plan import FrontierPoint, Plan, summarize_policies
-from .search import Candidate, Model, SearchResult, search
+from .search import Candidate, Model, SearchResult, search, tie_fraction
 
 logger = logging.getLogger(__name__)
 
@@ -212,8 +212,10 @@ def _faster_without_margin(
         correction_bytes=correction_bytes,
         safety_margin=0.0,
     ).best
-    if bold is None or (safe is not None and bold.seconds_per_step >= safe.seconds_per_step):
-        return None
+    if bold is None or (
+        safe is not None and bold.seconds_per_step >= safe.seconds_per_step / (1 + tie_fraction(profile))
+    ):
+        return None  # not faster beyond the timings' noise: the safe plan it is
     model = Model(profile, correction_bytes=correction_bytes)
     return model.evaluate(bold.micro_batch_sizes, dict(bold.block_policies))
 
@@ -264,6 +266,10 @@ def plan(
     ``blocks`` / ``policies``: which blocks may be checkpointed and how (default: "auto", and none,
     full, selective, plus offload on accelerators). ``profile``: reuse one from ``profile_workload``.
     ``trial``: prove the plan in one real window (recommended; False trusts the model).
+    ``progress``: called as ``progress(what, done, total)`` while profiling runs (what is running,
+    runs done, runs in all) and once per trial window (``total`` 1); the CLI draws it as a line.
+    Without it, the planner still logs one INFO line per phase (profile, each trial, the choice)
+    to ``logging.getLogger("microbatch.planner.trial")``.
     Raises InfeasibleBudgetError when no plan fits; never lets an out-of-memory error escape.
     """
     began = time.perf_counter()
@@ -279,6 +285,13 @@ def plan(
             blocks=blocks,
             policies=policies,
             progress=progress,
+        )
+        logger.info(
+            "planning %s: profiled %d blocks at micro-batch sizes %s in %.1f s",
+            workload.name,
+            len(profile.blocks),
+            list(profile.micro_batch_sizes),
+            profile.profile_seconds,
         )
     notes = list(profile.notes)
     correction_bytes = 0
@@ -316,6 +329,7 @@ def plan(
             f"micro-batch {chosen.micro_batch_size} x {chosen.steps} "
             f"with {summarize_policies(chosen.block_policies)}"
         )
+        logger.info("planning %s: trial %d: %s", workload.name, trials, what)
         if progress is not None:
             progress(f"trial {trials}: {what}", 0, 1)
         measured = _attempt(workload, chosen)
@@ -342,6 +356,14 @@ def plan(
                 )
             break
         logger.info(notes[-1])
+    logger.info(
+        "planning %s: chose micro-batch %d x %d steps with %s in %.1f s",
+        workload.name,
+        chosen.micro_batch_size,
+        chosen.steps,
+        summarize_policies(chosen.block_policies),
+        time.perf_counter() - began,
+    )
     return Plan(
         workload=workload.name,
         batch_size=batch,

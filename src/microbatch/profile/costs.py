@@ -203,6 +203,10 @@ class Profile:
     slack_bytes: int = 0
     profile_seconds: float = 0.0
     notes: tuple[str, ...] = ()
+    # How far repeated timings of one micro-batch spread, relative to their median (the median of
+    # (max - min) / median over the timed runs): the planner treats predicted times closer than
+    # this as ties.
+    time_noise: float = 0.0
 
     @property
     def static_bytes(self) -> int:

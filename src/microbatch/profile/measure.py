@@ -438,11 +438,8 @@ def _assemble(
                 gradient_bytes=gradient_bytes.get(name, 0),
             )
         )
-    if not_linear:
-        shown = "; ".join(not_linear[:4]) + (
-            f"; and {len(not_linear) - 4} more" if len(not_linear) > 4 else ""
-        )
-        notes.append(f"not linear in the micro-batch size (a + k * b misses by more than 10 %): {shown}")
+    if not_linear:  # for the curious only: the planner's ties (time_noise) absorb such misses
+        logger.debug("profile of %s: not linear in the micro-batch size: %s", workload.name, not_linear)
     if not all(run.in_order for run in memory_runs.values()):
         notes.append("the blocks' backward passes did not run in reverse forward order; peaks may be off")
 
@@ -488,4 +485,16 @@ def _assemble(
         slack_bytes=math.ceil(slack),
         profile_seconds=seconds,
         notes=tuple(notes),
+        time_noise=_time_noise(timed_runs),
     )
+
+
+def _time_noise(timed_runs: Mapping[tuple[str, int], Sequence[Run]]) -> float:
+    """The median over (policy, size) of the timed rounds' (max - min) / median seconds."""
+    spreads = []
+    for runs in timed_runs.values():
+        seconds = [run.seconds for run in runs]
+        middle = statistics.median(seconds) if seconds else 0.0
+        if len(seconds) >= 2 and middle > 0:
+            spreads.append((max(seconds) - min(seconds)) / middle)
+    return statistics.median(spreads) if spreads else 0.0
