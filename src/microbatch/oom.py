@@ -7,8 +7,12 @@ training loop, so that every caller treats the same failures as an OOM.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -24,3 +28,21 @@ def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def attempt(run: Callable[[], T], device: torch.device) -> T | None:
+    """``run()``'s result, or None when it ran out of memory (then memory is freed).
+
+    The one "try, and recognise an OOM" of the package: any other error propagates. The memory is
+    freed outside the except block, where the failed frame's tensors are no longer referenced.
+    """
+    out_of_memory = False
+    try:
+        return run()
+    except RuntimeError as error:
+        if not is_out_of_memory(error):
+            raise
+        out_of_memory = True
+    if out_of_memory:
+        free_memory(device)
+    return None

@@ -7,11 +7,11 @@ import logging
 
 from ..errors import InfeasibleBudgetError
 from ..memory import format_bytes
-from ..oom import free_memory, is_out_of_memory
+from ..oom import attempt
 from ..workload import Workload
 from .plan import Plan
 from .search import Candidate
-from .trial import TrialResult, run_trial
+from .trial import run_trial
 
 logger = logging.getLogger(__name__)
 
@@ -31,14 +31,8 @@ def prove(plan: Plan, workload: Workload) -> Plan:
         seconds_per_step=plan.predicted_seconds_per_step,
     )
     what = f"micro-batch {plan.micro_batch_size} x {plan.steps}"
-    result: TrialResult | None = None
-    try:
-        result = run_trial(workload, candidate)
-    except RuntimeError as error:
-        if not is_out_of_memory(error):
-            raise
-    if result is None:  # outside the handler, so the failed window's tensors can be freed
-        free_memory(workload.device)
+    result = attempt(lambda: run_trial(workload, candidate), workload.device)
+    if result is None:
         raise InfeasibleBudgetError(
             f"the plan ({what}) ran out of memory in its trial window on this device; make a new plan "
             "for this device (microbatch plan ... --out plan.json)",

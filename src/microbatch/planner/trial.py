@@ -39,7 +39,7 @@ from ..batching import move_batch
 from ..checkpoint import BlockSpec, checkpoint
 from ..errors import ConfigError, InfeasibleBudgetError
 from ..memory import MemoryTracker, format_bytes, parse_bytes
-from ..oom import free_memory, is_out_of_memory
+from ..oom import attempt
 from ..profile import (
     NONE,
     Profile,
@@ -189,16 +189,7 @@ def _frontier(result: SearchResult) -> tuple[FrontierPoint, ...]:
 
 def _attempt(workload: Workload, candidate: Candidate) -> TrialResult | None:
     """The trial's result; None when it ran out of memory (memory freed)."""
-    out_of_memory = False
-    try:
-        return run_trial(workload, candidate)
-    except RuntimeError as error:
-        if not is_out_of_memory(error):
-            raise
-        out_of_memory = True
-    if out_of_memory:  # outside the handler, so the failed window's tensors can be freed
-        free_memory(workload.device)
-    return None
+    return attempt(lambda: run_trial(workload, candidate), workload.device)
 
 
 def _faster_without_margin(
