@@ -61,7 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{DEFAULT_MAX_SKIPPED_WINDOWS} skipped optimizer steps in a row (non-finite gradients) stop "
         "the run with an error."
     )
-    add = parser.add_argument
+    _add_run_arguments(parser.add_argument)
+    _add_plan_arguments(parser.add_argument)
+    _add_output_arguments(parser.add_argument)
+
+
+def _add_run_arguments(add: Any) -> None:
     add("--model", help=f"built-in model size: {', '.join(GPT_SIZES)} (default {_DEFAULTS.model})")
     add(
         "--batch",
@@ -79,6 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "ramps up over the warmup (Ultralytics' nbs)",
     )
     add("--lr-scaling", choices=list(LR_SCALINGS), help="scale the lr from --nominal-batch to --batch")
+    add("--seed", type=int, help=f"seed for the weights and the data order (default {_DEFAULTS.seed})")
+    add("--device", help="torch device, e.g. cpu or cuda:1 (default: CUDA when there is one)")
+
+
+def _add_plan_arguments(add: Any) -> None:
     add(
         "--checkpoint-policy",
         choices=list(CHECKPOINT_POLICIES),
@@ -104,8 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="do not prove the plan in a real trial window (planner or --plan)",
     )
+
+
+def _add_output_arguments(add: Any) -> None:
     add("--out", help="run folder (default runs/MODEL-DATE-TIME; with --resume, the latest run in runs/)")
-    add("--seed", type=int, help=f"seed for the weights and the data order (default {_DEFAULTS.seed})")
     add(
         "--resume",
         action="store_true",
@@ -113,7 +125,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--eval-interval", type=int, help="steps between validation losses (default steps/5, at most 50)")
     add("--checkpoint-interval", type=int, help="steps between checkpoints (default max(eval interval, 50))")
-    add("--device", help="torch device, e.g. cpu or cuda:1 (default: CUDA when there is one)")
     add("--json", action="store_true", help="print the summary as JSON on stdout")
     add("--no-progress", action="store_true", help="no progress line on stderr")
 
@@ -215,7 +226,7 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(output, indent=2, sort_keys=True))
     else:
         print(summary)
-        print(f"plan: {Plan.from_dict(summary.plan)}")
+        print(f"plan: {Plan.from_dict(summary.plan).headline()}")
     if summary.interrupted:
         print(
             f"microbatch train: {summary.stopped_by or 'interrupted'} at step "

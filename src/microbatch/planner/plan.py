@@ -313,6 +313,24 @@ class Plan:
             source="manual",
         )
 
+    def headline(self) -> str:
+        """One line: the split, the checkpointing, the predicted (and measured) peak and the budget."""
+        sizes = self.micro_batch_sizes
+        split = f"{self.micro_batch_size} x {self.steps}"
+        if len(sizes) > 1 and sizes[-1] != sizes[0]:
+            split = f"{self.micro_batch_size} x {self.steps - 1} + {sizes[-1]}"
+        ranks = f" x {self.world_size} ranks" if self.world_size > 1 else ""
+        head = (
+            f"batch {self.batch_size} = micro-batch {split}{ranks}; {summarize_policies(self.block_policies)}"
+        )
+        if self.source == "manual":
+            return f"{head}; manual plan (nothing predicted)"
+        measured = f", measured {format_bytes(self.measured_peak_bytes)}" if self.measured_peak_bytes else ""
+        return (
+            f"{head}; predicted peak {format_bytes(self.predicted_peak_bytes)}{measured} "
+            f"of {format_bytes(self.budget_bytes)}"
+        )
+
     def __str__(self) -> str:
         sizes = self.micro_batch_sizes
         split = f"{self.micro_batch_size} x {self.steps} steps"

@@ -66,11 +66,7 @@ def profile_workload(
     """
     began = time.perf_counter()
     model, device = workload.model, workload.device
-    sizes = sorted(set(micro_batch_sizes or default_micro_batch_sizes(max_micro_batch_size)))
-    if not sizes or sizes[0] < 1:
-        raise ConfigError(f"micro_batch_sizes must be positive integers, got {micro_batch_sizes!r}")
-    if repeats < 1 or warmup < 0:
-        raise ConfigError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    sizes = _checked_sizes(micro_batch_sizes, max_micro_batch_size, repeats=repeats, warmup=warmup)
     found, chosen, notes = _blocks_and_policies(model, blocks, policies, device)
     with preserved_state(model):
         model.train()
@@ -86,10 +82,7 @@ def profile_workload(
             )
         session = _Session(workload, found, optimizer, chosen, sizes, progress)
         session.notes.extend(notes)
-        checkpointed = len(chosen) - 1
-        session.total_runs = len(sizes) * (1 + 2 * checkpointed) + (warmup + repeats) * (
-            len(chosen) * len(sizes) + checkpointed
-        )
+        session.total_runs = _run_count(len(sizes), len(chosen), rounds=warmup + repeats)
         session.measure_memory()
         session.measure_time(warmup=warmup, repeats=repeats)
     if progress is not None:
@@ -108,6 +101,23 @@ def profile_workload(
         gradient_bytes=gradient_bytes_by_segment(model, found),
     )
     return assemble(workload, device, measured, notes=session.notes, seconds=time.perf_counter() - began)
+
+
+def _checked_sizes(
+    micro_batch_sizes: Sequence[int] | None, max_micro_batch_size: int, *, repeats: int, warmup: int
+) -> list[int]:
+    sizes = sorted(set(micro_batch_sizes or default_micro_batch_sizes(max_micro_batch_size)))
+    if not sizes or sizes[0] < 1:
+        raise ConfigError(f"micro_batch_sizes must be positive integers, got {micro_batch_sizes!r}")
+    if repeats < 1 or warmup < 0:
+        raise ConfigError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    return sizes
+
+
+def _run_count(sizes: int, policies: int, *, rounds: int) -> int:
+    """Runs in all: tracked (checkpointed policies twice: first call and steady) and timed rounds."""
+    checkpointed = policies - 1
+    return sizes * (1 + 2 * checkpointed) + rounds * (policies * sizes + checkpointed)
 
 
 def _blocks_and_policies(

@@ -118,7 +118,20 @@ def validate_config(config: TrainConfig) -> None:
             f"--model {config.model!r} is not a built-in model; "
             f"the built-in models are: {', '.join(GPT_SIZES)}"
         )
-    checks = [
+    for ok, message in _flag_checks(config):
+        if not ok:
+            raise ConfigError(message)
+    world = distributed.world_size()
+    if config.batch % world:
+        raise ConfigError(
+            f"--batch {config.batch} must be a multiple of the number of processes ({world}); "
+            f"use --batch {config.batch - config.batch % world or world}"
+        )
+
+
+def _flag_checks(config: TrainConfig) -> list[tuple[bool, str]]:
+    """(holds, message naming the flag) for every single-flag rule."""
+    return [
         (config.steps >= 1, f"--steps must be >= 1, got {config.steps}"),
         (config.lr is None or config.lr > 0, f"--lr must be positive, got {config.lr}"),
         (
@@ -165,15 +178,6 @@ def validate_config(config: TrainConfig) -> None:
         ),
         (config.eval_batches >= 1, f"eval_batches must be >= 1, got {config.eval_batches}"),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
-    world = distributed.world_size()
-    if config.batch % world:
-        raise ConfigError(
-            f"--batch {config.batch} must be a multiple of the number of processes ({world}); "
-            f"use --batch {config.batch - config.batch % world or world}"
-        )
 
 
 # --------------------------------------------------------------------------------------------------

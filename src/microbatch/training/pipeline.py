@@ -92,7 +92,7 @@ def _start_session(config: TrainConfig, start: RunStart, device: torch.device) -
         # metrics.jsonl as of the checkpoint: empty for a new run; a resumed run drops later lines.
         text = "".join(json.dumps(record) + "\n" for record in session.metrics)
         atomic_write(os.path.join(session.run_dir, METRICS_FILE), lambda file: file.write(text), binary=False)
-        logger.info("plan: %s", session.plan)
+        logger.info("plan: %s", session.plan.headline())
     return session
 
 
