@@ -200,3 +200,25 @@ def test_resume_with_less_memory_replans_for_the_same_batch(tmp_path: Path) -> N
     lines = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [m["micro_batches"] for m in lines] == [1, tight.plan["steps"]]
     assert mb.Plan.load(tmp_path / "r" / "plan.json").steps == tight.plan["steps"]
+
+
+def test_planning_the_real_model_leaves_it_untouched(tmp_path: Path) -> None:
+    # microbatch train plans the model it then trains (no copy): profiling and the trial restore
+    # its weights, gradients, modes and random state exactly, so a planned run and a run of the
+    # same plan loaded from a file (no planning at all) train bitwise alike, with dropout on.
+    from microbatch.training import TrainConfig, train
+
+    base = TrainConfig(model="gpt-nano", batch=8, steps=2, eval_interval=100, dropout=0.1)
+    planned = train(dataclasses.replace(base, memory="3MiB", out=str(tmp_path / "planned")))
+    loaded = train(
+        dataclasses.replace(
+            base, plan=str(tmp_path / "planned" / "plan.json"), trial=False, out=str(tmp_path / "loaded")
+        )
+    )
+    assert (
+        planned.plan["source"] == "planner"
+        and loaded.plan["micro_batch_size"] == planned.plan["micro_batch_size"]
+    )
+    a = [json.loads(line) for line in (tmp_path / "planned" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(line) for line in (tmp_path / "loaded" / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["loss"], m["grad_norm"]) for m in a] == [(m["loss"], m["grad_norm"]) for m in b]
