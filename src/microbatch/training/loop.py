@@ -34,7 +34,7 @@ from .plan import plan_without, planning_workload
 from .ranks import on_rank_zero
 from .report import StepReport
 from .run_folder import METRICS_FILE
-from .session import Session, accumulator, release_plan, save, use_plan
+from .session import Session, accumulator, release_plan, save, storage_error, use_plan
 from .signals import StopFlag
 
 logger = logging.getLogger(__name__)
@@ -240,8 +240,12 @@ def _check_skipped(session: Session) -> None:
 def _append_metrics(session: Session, record: dict[str, Any]) -> None:
     session.metrics.append(record)
     if distributed.is_rank_zero():
-        with open(os.path.join(session.run_dir, METRICS_FILE), "a") as file:
-            file.write(json.dumps(record) + "\n")
+        path = os.path.join(session.run_dir, METRICS_FILE)
+        try:
+            with open(path, "a") as file:
+                file.write(json.dumps(record) + "\n")
+        except OSError as error:
+            raise storage_error(path, session.step, error) from error
 
 
 def run_windows(session: Session, *, progress: Callable[[StepReport], None] | None = None) -> Outcome:

@@ -36,7 +36,7 @@ from .run_folder import (
     prepare_run_dir,
     write_json,
 )
-from .session import Session, build_model, build_session, restore
+from .session import Session, build_model, build_session, restore, storage_error
 from .start import RunStart, open_run
 
 logger = logging.getLogger(__name__)
@@ -116,6 +116,9 @@ def finish(session: Session, outcome: Outcome) -> TrainSummary:
         **totals,
     )
     if distributed.is_rank_zero():
-        plot_losses(os.path.join(session.run_dir, PLOT_FILE), session.metrics)
-        write_json(os.path.join(session.run_dir, SUMMARY_FILE), summary.to_dict())
+        try:
+            plot_losses(os.path.join(session.run_dir, PLOT_FILE), session.metrics)
+            write_json(os.path.join(session.run_dir, SUMMARY_FILE), summary.to_dict())
+        except OSError as error:
+            raise storage_error(session.run_dir, session.step, error) from error
     return summary

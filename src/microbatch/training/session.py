@@ -211,12 +211,15 @@ def save(session: Session) -> None:
     try:
         atomic_write(path, lambda file: torch.save(state, file))
     except OSError as error:
-        reason = (
-            "the disk is full"
-            if error.errno in (errno.ENOSPC, errno.EDQUOT)
-            else (error.strerror or str(error))
-        )
-        raise TrainingError(
-            f"cannot save the checkpoint {path!r} at step {session.step}: {reason}. The previous checkpoint "
-            "is intact; free space (or choose another --out) and resume with --resume"
-        ) from error
+        raise storage_error(path, session.step, error) from error
+
+
+def storage_error(path: str, step: int, error: OSError) -> TrainingError:
+    """The clear error for a run-folder write that failed (a full disk, most often)."""
+    reason = (
+        "the disk is full" if error.errno in (errno.ENOSPC, errno.EDQUOT) else (error.strerror or str(error))
+    )
+    return TrainingError(
+        f"cannot write {path!r} at step {step}: {reason}. The previous checkpoint is intact; free space "
+        "(or choose another --out) and resume with --resume"
+    )
