@@ -222,3 +222,14 @@ def test_planning_the_real_model_leaves_it_untouched(tmp_path: Path) -> None:
     a = [json.loads(line) for line in (tmp_path / "planned" / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(line) for line in (tmp_path / "loaded" / "metrics.jsonl").read_text().splitlines()]
     assert [(m["loss"], m["grad_norm"]) for m in a] == [(m["loss"], m["grad_norm"]) for m in b]
+
+
+def test_plan_out_to_an_unwritable_path_is_refused_before_planning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "missing-folder" / "plan.json"
+    code = cli.main(["plan", "seed-linear", "--batch", "4", "--memory", "1GiB", "--out", str(target)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--out" in err and "cannot write there" in err
+    assert "planning:" not in err  # refused before any profiling
