@@ -20,6 +20,7 @@ ALLOWED = frozenset({"accumulate.py", "checkpoint.py", "verify.py", "memory.py",
 
 PUBLIC_NAMES = [
     "Accumulator",
+    "CachedPlan",
     "CheckpointHandle",
     "FrontierPoint",
     "MemoryTracker",
@@ -27,10 +28,13 @@ PUBLIC_NAMES = [
     "MicrobatchError",
     "Plan",
     "Profile",
+    "TokenStats",
+    "TokenWindows",
     "VerifyReport",
     "WindowStats",
     "Workload",
     "__version__",
+    "cached_backward",
     "checkpoint",
     "convert_batchnorm_to_groupnorm",
     "corrected_momentum",
@@ -40,8 +44,10 @@ PUBLIC_NAMES = [
     "load_workload",
     "parse_bytes",
     "plan",
+    "plan_cached",
     "profile_workload",
     "schedules",
+    "split_by_tokens",
     "verify",
 ]
 

@@ -20,6 +20,7 @@ from ..training.config import CHECKPOINT_POLICIES, DEFAULT_MAX_SKIPPED_WINDOWS, 
 from ..training.plan import CUDA_FREE_MEMORY_FRACTION
 from ..training.run_folder import latest_run_dir
 from ..training.signals import exit_status
+from ..training.tokens import parse_max_tokens
 
 _DEFAULTS = TrainConfig()
 # Flags that map one to one onto TrainConfig fields (argparse dest == field name).
@@ -40,6 +41,7 @@ _CONFIG_FLAGS = (
     "eval_interval",
     "checkpoint_interval",
     "device",
+    "max_tokens",
 )
 
 
@@ -125,6 +127,12 @@ def _add_output_arguments(add: Any) -> None:
     )
     add("--eval-interval", type=int, help="steps between validation losses (default steps/5, at most 50)")
     add("--checkpoint-interval", type=int, help="steps between checkpoints (default max(eval interval, 50))")
+    add(
+        "--max-tokens",
+        type=parse_max_tokens,
+        help="micro-batches by padded tokens instead of rows: N, auto (the plan's micro-batch x block size; "
+        "the default) or off (fixed rows); the same gradient with less padding",
+    )
     add("--json", action="store_true", help="print the summary as JSON on stdout")
     add("--no-progress", action="store_true", help="no progress line on stderr")
 

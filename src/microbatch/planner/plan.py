@@ -79,7 +79,9 @@ class Plan:
     is exactly ``batch_size``. ``block_policies`` says per block: none, full, selective or offload.
     ``measured_peak_bytes`` comes from one real window run under MemoryTracker (None without a trial);
     ``peak_parts`` is what the predicted peak is made of; ``minimum_bytes`` is the least budget any
-    plan is predicted to fit (micro-batch 1, the blocks checkpointed).
+    plan is predicted to fit (micro-batch 1, the blocks checkpointed). ``max_tokens``: for a workload
+    with variable lengths (``Workload.max_length``), the padded-token budget per micro-batch
+    (``micro_batch_size x max_length``) for ``split_by_tokens``; None otherwise.
     """
 
     workload: str
@@ -100,6 +102,7 @@ class Plan:
     trials: int = 0
     planning_seconds: float = 0.0
     notes: tuple[str, ...] = ()
+    max_tokens: int | None = None  # padded tokens per micro-batch, for variable-length workloads
     parameters: int | None = None  # the model's parameter count, checked when a plan is reused
     device: str | None = None  # the device type it was made for ("cuda", "cpu", ...)
     source: str = "planner"  # "planner", or "manual" (Plan.manual)
@@ -207,6 +210,7 @@ class Plan:
             "trials": self.trials,
             "planning_seconds": self.planning_seconds,
             "notes": list(self.notes),
+            "max_tokens": self.max_tokens,
             "parameters": self.parameters,
             "device": self.device,
             "source": self.source,
@@ -354,6 +358,11 @@ class Plan:
             f"predicted peak {format_bytes(self.predicted_peak_bytes)}{measured}",
             f"  predicted {self.predicted_seconds_per_step:.3g} s per optimizer step, "
             f"{self.samples_per_second:.1f} samples/s",
+            *(
+                [f"  token budget: max_tokens={self.max_tokens} padded tokens per micro-batch"]
+                if self.max_tokens
+                else []
+            ),
             "  peak = " + " + ".join(f"{name} {format_bytes(v)}" for name, v in self.peak_parts if v),
             "",
             f"  {'block':<28} policy",

@@ -50,6 +50,7 @@ from ..profile import (
 from ..workload import Workload, load_workload
 from .plan import FrontierPoint, Plan, summarize_policies
 from .search import Candidate, Model, SearchResult, search, tie_fraction
+from .tokens import token_budget
 
 logger = logging.getLogger(__name__)
 
@@ -374,6 +375,7 @@ def plan(
         trials=trials,
         planning_seconds=time.perf_counter() - began,
         notes=tuple(notes),
+        max_tokens=token_budget(workload, chosen.micro_batch_size),
         parameters=sum(parameter.numel() for parameter in workload.model.parameters()),
         device=workload.device.type,
     )

@@ -14,6 +14,7 @@ from .. import distributed, schedules
 from ..errors import ConfigError, WorkloadError
 from ..models.corpus import DEFAULT_MAX_BYTES
 from ..models.gpt import GPT_SIZES
+from .tokens import parse_max_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ DEFAULT_MAX_SKIPPED_WINDOWS = 20
 # A new --memory re-plans at the checkpoint's window boundary (the effective batch is unchanged).
 RESUMABLE_CHANGES = frozenset(
     {"steps", "out", "resume", "eval_interval", "checkpoint_interval", "memory", "device", "plan", "trial"}
-    | {"max_skipped_windows"}
+    | {"max_skipped_windows", "max_tokens"}  # max_tokens: how a window is split, not what it computes
 )
 
 
@@ -72,6 +73,7 @@ class TrainConfig:
     checkpoint_interval: int | None = None
     corpus_bytes: int = DEFAULT_MAX_BYTES
     device: str | None = None
+    max_tokens: str | int | None = "auto"  # micro-batches by padded tokens (training/tokens.py)
     micro_batch: int | None = None
     plan: str | None = None
     trial: bool = True
@@ -121,6 +123,7 @@ def validate_config(config: TrainConfig) -> None:
     for ok, message in _flag_checks(config):
         if not ok:
             raise ConfigError(message)
+    parse_max_tokens(config.max_tokens)
     world = distributed.world_size()
     if config.batch % world:
         raise ConfigError(

@@ -36,6 +36,7 @@ from .report import StepReport
 from .run_folder import METRICS_FILE
 from .session import Session, accumulator, release_plan, save, storage_error, use_plan
 from .signals import StopFlag
+from .tokens import split_window
 
 logger = logging.getLogger(__name__)
 
@@ -112,13 +113,17 @@ def _window_batches(session: Session) -> list[dict[str, torch.Tensor]]:
     size, steps) trains on the same sequences, so plans differ only by rounding. The token ids of a
     window are small (batch x block_size int64) next to the activations of one micro-batch.
     """
-    acc = accumulator(session)
-    steps = acc.steps_for(acc.window)
+    acc, token_steps = accumulator(session), session.token_steps
+    steps = token_steps.row_steps(acc.window) if token_steps else acc.steps_for(acc.window)
     sizes = list(session.plan.micro_batch_sizes)
     if steps != len(sizes):  # accumulation warmup: fewer, full micro-batches
         sizes = [session.plan.micro_batch_size] * steps
     window_batch = session.train_data(sum(sizes))
-    return [move_batch(micro, session.device) for micro in split_batch(window_batch, sizes)]
+    if token_steps is not None:  # the same sequences, split by padded tokens instead of rows
+        micro_batches = split_window(window_batch, token_steps, acc.window)
+    else:
+        micro_batches = split_batch(window_batch, sizes)
+    return [move_batch(micro, session.device) for micro in micro_batches]
 
 
 def _run_window(session: Session, micro_batches: list[dict[str, torch.Tensor]]) -> WindowStats:
@@ -223,6 +228,7 @@ def _record(session: Session, stats: WindowStats, seconds: float, peak: PeakMemo
         "peak_measured": peak.measured,
         "seconds": seconds,
         "tokens_per_second": stats.items / seconds if seconds > 0 else 0.0,
+        **(session.token_steps.last_record if session.token_steps is not None else {}),
     }
 
 

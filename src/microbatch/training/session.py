@@ -31,6 +31,7 @@ from .run_folder import (
     atomic_write,
     read_metrics,
 )
+from .tokens import TokenSteps, resolve_max_tokens
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Session:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     replans: int = 0
     documents: tuple[bytes, ...] = ()  # the training documents (the planner draws its own batches)
+    token_steps: TokenSteps | None = None  # set when micro-batches are split by tokens (tokens.py)
 
 
 def build_model(config: TrainConfig, device: torch.device) -> GPT:
@@ -123,10 +125,17 @@ def use_plan(session: Session, plan: Plan) -> None:
     session.checkpoint_handle = plan.checkpoint(session.raw_model)
     session.plan = plan
     config = session.config
+    steps = accumulation_schedule(config, plan_steps=plan.steps, micro_batch_size=plan.micro_batch_size)
+    max_tokens = resolve_max_tokens(
+        config.max_tokens,
+        micro_batch_size=plan.micro_batch_size,
+        block_size=session.raw_model.config.block_size,
+    )
+    session.token_steps = TokenSteps(steps, max_tokens) if max_tokens is not None else None
     session.accumulator = Accumulator(
         session.model,
         session.optimizer,
-        steps=accumulation_schedule(config, plan_steps=plan.steps, micro_batch_size=plan.micro_batch_size),
+        steps=session.token_steps or steps,
         scheduler=session.scheduler,
         max_grad_norm=config.max_grad_norm,
         scaler=session.scaler,
