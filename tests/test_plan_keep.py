@@ -191,7 +191,9 @@ def test_microbatch_plan_out_writes_a_loadable_plan(
 def test_resume_with_less_memory_replans_for_the_same_batch(tmp_path: Path) -> None:
     from microbatch.training import TrainConfig, train
 
-    base = TrainConfig(model="gpt-nano", batch=8, eval_interval=100, out=str(tmp_path / "r"), trial=False)
+    base = TrainConfig(
+        model="gpt-nano", batch=8, eval_interval=100, out=str(tmp_path / "r"), trial=False, max_tokens="off"
+    )
     roomy = train(dataclasses.replace(base, steps=1, memory="1GiB"))
     assert roomy.plan["steps"] == 1
     tight = train(dataclasses.replace(base, steps=2, memory="950KiB", resume=True))
