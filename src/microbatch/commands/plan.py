@@ -25,7 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--memory",
         required=True,
-        help="peak memory budget per rank: '8GiB', '300MiB', bytes, or a fraction of the device such as 0.8",
+        help=(
+            "peak memory budget per rank: '8GiB', '300MiB', bytes, or a fraction such as 0.8. On CUDA: peak "
+            "reserved bytes of the caching allocator + what is measured outside it (context, cuBLAS/cuDNN "
+            "workspaces, NCCL), and a fraction is of the free memory at plan time; on CPU: peak live tensor "
+            "bytes; with --world-size > 1 DDP's gradient buckets count too"
+        ),
     )
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     parser.add_argument(

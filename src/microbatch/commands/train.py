@@ -75,7 +75,14 @@ def _add_run_arguments(add: Any) -> None:
         type=int,
         help=f"effective batch in sequences per optimizer step (default {_DEFAULTS.batch})",
     )
-    add("--memory", help="peak memory budget, e.g. 300MiB, 8GiB, or 0.5 of the device (default: see above)")
+    add(
+        "--memory",
+        help=(
+            "peak memory budget, e.g. 300MiB, 8GiB, or 0.5 of the device (default: see above). On CUDA: peak "
+            "reserved bytes of the caching allocator + what is measured outside it (context, workspaces, "
+            "NCCL; a fraction is of the free memory); on CPU: peak live tensor bytes"
+        ),
+    )
     add("--steps", type=int, help=f"optimizer steps in total (default {_DEFAULTS.steps})")
     add("--lr", type=float, help="peak learning rate (default: tuned per model size, e.g. 3e-3 for gpt-mini)")
     add("--precision", choices=list(PRECISIONS), help="fp32, or bf16 / fp16 autocast (fp16 with GradScaler)")

@@ -10,6 +10,7 @@ from ..memory import format_bytes
 from ..oom import attempt
 from ..workload import Workload
 from .plan import Plan
+from .reserve import outside_the_model
 from .search import Candidate
 from .trial import run_trial
 
@@ -31,6 +32,14 @@ def prove(plan: Plan, workload: Workload) -> Plan:
         seconds_per_step=plan.predicted_seconds_per_step,
     )
     what = f"micro-batch {plan.micro_batch_size} x {plan.steps}"
+    # The plan's peaks count what lives outside the model (CUDA context, DDP buckets) as mb.plan does.
+    reserve_bytes = (
+        outside_the_model(
+            workload, plan.budget_bytes, memory=plan.budget_bytes, world_size=plan.world_size
+        ).total_bytes
+        if plan.budget_bytes
+        else 0
+    )
     result = attempt(lambda: run_trial(workload, candidate), workload.device)
     if result is None:
         raise InfeasibleBudgetError(
@@ -39,17 +48,18 @@ def prove(plan: Plan, workload: Workload) -> Plan:
             minimum_bytes=plan.budget_bytes,
             parts={},
         )
-    if plan.budget_bytes and result.peak_bytes > plan.budget_bytes:
+    peak_bytes = result.peak_bytes + reserve_bytes
+    if plan.budget_bytes and peak_bytes > plan.budget_bytes:
         raise InfeasibleBudgetError(
-            f"the plan ({what}) measured a peak of {format_bytes(result.peak_bytes)} in its trial window, "
+            f"the plan ({what}) measured a peak of {format_bytes(peak_bytes)} in its trial window, "
             f"over its budget {format_bytes(plan.budget_bytes)}; make a new plan for this model and device",
-            minimum_bytes=result.peak_bytes,
+            minimum_bytes=peak_bytes,
             parts={},
         )
-    logger.info("plan proved: %s measured %s", what, format_bytes(result.peak_bytes))
+    logger.info("plan proved: %s measured %s", what, format_bytes(peak_bytes))
     return dataclasses.replace(
         plan,
-        measured_peak_bytes=result.peak_bytes,
+        measured_peak_bytes=peak_bytes,
         cuda_max_allocated_bytes=result.cuda_max_allocated_bytes,
         trials=plan.trials + 1,
     )

@@ -39,7 +39,7 @@ from ..batching import move_batch
 from ..checkpoint import BlockSpec, checkpoint
 from ..errors import ConfigError, InfeasibleBudgetError
 from ..memory import MemoryTracker, format_bytes, parse_bytes
-from ..oom import attempt
+from ..oom import attempt, free_memory
 from ..profile import (
     NONE,
     Profile,
@@ -47,8 +47,10 @@ from ..profile import (
     preserved_state,
     profile_workload,
 )
+from ..profile.stash import optimizer_instance
 from ..workload import Workload, load_workload
 from .plan import FrontierPoint, Plan, summarize_policies
+from .reserve import BudgetReserve, outside_the_model, with_reserve
 from .search import Candidate, Model, SearchResult, search, tie_fraction
 from .tokens import token_budget
 
@@ -60,8 +62,11 @@ DEFAULT_MAX_PROFILE_SIZE = 16
 
 @dataclass(frozen=True)
 class TrialResult:
-    peak_bytes: int  # MemoryTracker's peak, or the CUDA allocator's where that is higher
+    # On CUDA the caching allocator's peak reserved bytes (what an OOM is decided on); elsewhere
+    # MemoryTracker's peak live tensor bytes. Memory outside the allocator is added by the caller.
+    peak_bytes: int
     cuda_max_allocated_bytes: int | None
+    cuda_max_reserved_bytes: int | None = None
 
 
 def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
@@ -70,7 +75,9 @@ def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
     May raise an out-of-memory error; the model is restored either way.
     """
     model, device = workload.model, workload.device
-    with preserved_state(model):
+    # Segments cached by earlier runs would count as reserved: start from what is alive.
+    free_memory(device)
+    with preserved_state(model, optimizer=optimizer_instance(workload)):
         model.train()
         optimizer = workload.make_optimizer()
         _create_optimizer_state(model, optimizer)
@@ -98,9 +105,9 @@ def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
             for parameter in model.parameters():
                 parameter.grad = None
     measured = tracker.peak_bytes
-    if tracker.cuda_max_allocated_bytes is not None:
-        measured = max(measured, tracker.cuda_max_allocated_bytes)
-    return TrialResult(measured, tracker.cuda_max_allocated_bytes)
+    if tracker.cuda_max_reserved_bytes is not None:
+        measured = max(measured, tracker.cuda_max_reserved_bytes)
+    return TrialResult(measured, tracker.cuda_max_allocated_bytes, tracker.cuda_max_reserved_bytes)
 
 
 def trial_sizes(micro_batch_sizes: Sequence[int]) -> list[int]:
@@ -139,7 +146,9 @@ def _static_message(profile: Profile, budget_bytes: int) -> str | None:
     )
 
 
-def _refuse_budget_below_weights(workload: Workload, budget_bytes: int) -> None:
+def _refuse_budget_below_weights(
+    workload: Workload, budget_bytes: int, reserve: BudgetReserve | None = None
+) -> None:
     """Fail before profiling when parameters and their gradients alone exceed the budget.
 
     This lower bound needs no measurement; the full static count (optimizer state included) comes
@@ -149,7 +158,7 @@ def _refuse_budget_below_weights(workload: Workload, budget_bytes: int) -> None:
     gradient_bytes = sum(p.numel() * p.element_size() for p in workload.model.parameters() if p.requires_grad)
     total = parameter_bytes + gradient_bytes
     if total > budget_bytes:
-        raise InfeasibleBudgetError(
+        error = InfeasibleBudgetError(
             f"parameters {format_bytes(parameter_bytes)} + gradients {format_bytes(gradient_bytes)} = "
             f"{format_bytes(total)} already exceed the budget memory={format_bytes(budget_bytes)}, before "
             "any optimizer state or activation; no micro-batch size or checkpointing can fit. Raise memory, "
@@ -157,6 +166,7 @@ def _refuse_budget_below_weights(workload: Workload, budget_bytes: int) -> None:
             minimum_bytes=total,
             parts={"parameters": parameter_bytes, "gradients": gradient_bytes},
         )
+        raise with_reserve(error, reserve) if reserve is not None else error
 
 
 def infeasible_error(profile: Profile, result: SearchResult, budget_bytes: int) -> InfeasibleBudgetError:
@@ -175,13 +185,14 @@ def infeasible_error(profile: Profile, result: SearchResult, budget_bytes: int) 
     return InfeasibleBudgetError(message, minimum_bytes=minimum.peak_bytes, parts=dict(minimum.parts))
 
 
-def _frontier(result: SearchResult) -> tuple[FrontierPoint, ...]:
+def _frontier(result: SearchResult, reserve_bytes: int = 0) -> tuple[FrontierPoint, ...]:
+    """The search's frontier, its peaks stated like the budget (the reserve outside the model added)."""
     return tuple(
         FrontierPoint(
             micro_batch_size=c.micro_batch_size,
             steps=c.steps,
             block_policies=c.block_policies,
-            predicted_peak_bytes=c.peak_bytes,
+            predicted_peak_bytes=c.peak_bytes + reserve_bytes,
             seconds_per_step=c.seconds_per_step,
         )
         for c in result.frontier
@@ -210,6 +221,40 @@ def _faster_without_margin(
         return None  # not faster beyond the timings' noise: the safe plan it is
     model = Model(profile, correction_bytes=correction_bytes)
     return model.evaluate(bold.micro_batch_sizes, dict(bold.block_policies))
+
+
+def _extend_profile(
+    workload: Workload,
+    profile: Profile,
+    *,
+    per_rank_batch: int,
+    capacity_bytes: int,
+    blocks: BlockSpec,
+    policies: Sequence[str] | None,
+    progress: ProgressFn | None,
+) -> Profile:
+    """The profile again, up to the micro-batch the search chooses, when that is beyond the sizes measured.
+
+    Costs fitted on small micro-batches do not extrapolate to large ones (kernels leave the
+    launch-bound regime, attention switches backends), so a choice beyond the profiled sizes is
+    measured before it is trusted. Only a size the budget allows is profiled: the search chose it.
+    """
+    best = search(profile, per_rank_batch=per_rank_batch, capacity_bytes=capacity_bytes).best
+    measured_up_to = max(profile.micro_batch_sizes, default=0)
+    if best is None or best.micro_batch_size <= measured_up_to:
+        return profile
+    logger.info(
+        "the search chose micro-batch %d, beyond the profiled sizes (up to %d): profiling up to it",
+        best.micro_batch_size,
+        measured_up_to,
+    )
+    return profile_workload(
+        workload,
+        max_micro_batch_size=best.micro_batch_size,
+        blocks=blocks,
+        policies=policies,
+        progress=progress,
+    )
 
 
 def _no_plan(
@@ -249,8 +294,9 @@ def plan(
     profile: Profile | None = None,
     trial: bool = True,
     max_trials: int = DEFAULT_MAX_TRIALS,
-    max_profile_micro_batch_size: int = DEFAULT_MAX_PROFILE_SIZE,
+    max_profile_micro_batch_size: int | None = None,
     progress: ProgressFn | None = None,
+    gradient_as_bucket_view: bool = False,
 ) -> Plan:
     """The fastest plan for an effective batch of ``batch`` samples within ``memory`` bytes of peak.
 
@@ -258,6 +304,12 @@ def plan(
     ``blocks`` / ``policies``: which blocks may be checkpointed and how (default: "auto", and none,
     full, selective, plus offload on accelerators). ``profile``: reuse one from ``profile_workload``.
     ``trial``: prove the plan in one real window (recommended; False trusts the model).
+    ``max_profile_micro_batch_size``: the largest size profiled; by default 16, extended to the
+    micro-batch the search chooses when that is larger (profiled before it is trusted).
+    ``gradient_as_bucket_view``: with world_size > 1 the plan counts DDP's gradient buckets, a
+    second copy of the gradients, unless DDP will run with gradient_as_bucket_view=True.
+    The budget: peak live tensor bytes on the CPU; on CUDA peak reserved bytes of the caching
+    allocator plus what is measured outside it (see planner.reserve).
     ``progress``: called as ``progress(what, done, total)`` while profiling runs (what is running,
     runs done, runs in all) and once per trial window (``total`` 1); the CLI draws it as a line.
     Without it, the planner still logs one INFO line per phase (profile, each trial, the choice)
@@ -269,11 +321,21 @@ def plan(
         workload = load_workload(workload)
     per_rank_batch = _validate(batch, world_size)
     budget_bytes = parse_bytes(memory, device=workload.device, name="memory")
-    _refuse_budget_below_weights(workload, budget_bytes)
+    reserve = outside_the_model(
+        workload,
+        budget_bytes,
+        memory=memory,
+        world_size=world_size,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+    )
+    _refuse_budget_below_weights(workload, budget_bytes - reserve.total_bytes, reserve)
+    extend = profile is None and max_profile_micro_batch_size is None
     if profile is None:
         profile = profile_workload(
             workload,
-            max_micro_batch_size=min(per_rank_batch, max_profile_micro_batch_size),
+            max_micro_batch_size=min(
+                per_rank_batch, max_profile_micro_batch_size or DEFAULT_MAX_PROFILE_SIZE
+            ),
             blocks=blocks,
             policies=policies,
             progress=progress,
@@ -285,7 +347,19 @@ def plan(
             list(profile.micro_batch_sizes),
             profile.profile_seconds,
         )
-    notes = list(profile.notes)
+    if extend:
+        profile = _extend_profile(
+            workload,
+            profile,
+            per_rank_batch=per_rank_batch,
+            capacity_bytes=budget_bytes - reserve.total_bytes,
+            blocks=blocks,
+            policies=policies,
+            progress=progress,
+        )
+    notes = [*profile.notes, *reserve.notes]
+    # What the profiled model may use: the budget less what lives outside it (see BudgetReserve).
+    model_budget_bytes = budget_bytes - reserve.total_bytes
     correction_bytes = 0
     # After an out-of-memory error, plans predicted (before correction) at or above this are out.
     oom_limit_bytes = math.inf
@@ -293,7 +367,7 @@ def plan(
     measured: TrialResult | None = None
     margin_free_pending = trial
     while True:
-        capacity = min(budget_bytes, oom_limit_bytes - 1 + correction_bytes)
+        capacity = min(model_budget_bytes, oom_limit_bytes - 1 + correction_bytes)
         result = search(
             profile, per_rank_batch=per_rank_batch, capacity_bytes=capacity, correction_bytes=correction_bytes
         )
@@ -306,7 +380,7 @@ def plan(
             if faster is not None:
                 chosen, margin_free = faster, True
         if chosen is None:
-            raise _no_plan(profile, result, budget_bytes, trials, notes)
+            raise with_reserve(_no_plan(profile, result, model_budget_bytes, trials, notes), reserve)
         if not trial:
             break
         if trials >= max_trials:
@@ -331,7 +405,7 @@ def plan(
             floor = result.minimum.peak_bytes - correction_bytes
             oom_limit_bytes = min(oom_limit_bytes, failed - max(1, (failed - floor) // 2))
             notes.append(f"trial {trials}: {what} ran out of memory; re-planned below it")
-        elif measured.peak_bytes > budget_bytes:
+        elif measured.peak_bytes > model_budget_bytes:
             error_bytes = measured.peak_bytes - chosen.peak_bytes
             if error_bytes > 0 or not margin_free:  # a margin-free try that the margin covers needs none
                 correction_bytes += max(1, error_bytes)
@@ -365,12 +439,12 @@ def plan(
         micro_batch_sizes=chosen.micro_batch_sizes,
         block_policies=chosen.block_policies,
         budget_bytes=budget_bytes,
-        predicted_peak_bytes=chosen.peak_bytes,
-        measured_peak_bytes=measured.peak_bytes if measured is not None else None,
+        predicted_peak_bytes=chosen.peak_bytes + reserve.total_bytes,
+        measured_peak_bytes=measured.peak_bytes + reserve.total_bytes if measured is not None else None,
         predicted_seconds_per_step=chosen.seconds_per_step,
-        peak_parts=chosen.parts,
-        frontier=_frontier(result),
-        minimum_bytes=result.minimum.peak_bytes,
+        peak_parts=chosen.parts + reserve.parts,
+        frontier=_frontier(result, reserve.total_bytes),
+        minimum_bytes=result.minimum.peak_bytes + reserve.total_bytes,
         cuda_max_allocated_bytes=measured.cuda_max_allocated_bytes if measured is not None else None,
         trials=trials,
         planning_seconds=time.perf_counter() - began,

@@ -19,6 +19,7 @@ from ..errors import CheckpointError, ConfigError, InfeasibleBudgetError
 from ..memory import device_memory_bytes
 from ..oom import attempt
 from ..workload import Workload
+from . import stash
 from .assemble import Measurements, assemble, gradient_bytes_by_segment
 from .costs import NONE, Profile
 from .runs import measure_step, micro_batch_run, preserved_state
@@ -68,7 +69,7 @@ def profile_workload(
     model, device = workload.model, workload.device
     sizes = _checked_sizes(micro_batch_sizes, max_micro_batch_size, repeats=repeats, warmup=warmup)
     found, chosen, notes = _blocks_and_policies(model, blocks, policies, device)
-    with preserved_state(model):
+    with preserved_state(model, optimizer=stash.optimizer_instance(workload)):
         model.train()
         for parameter in model.parameters():
             parameter.grad = None

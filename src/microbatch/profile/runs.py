@@ -21,6 +21,7 @@ from ..errors import WorkloadError
 from ..memory import MemoryTracker
 from ..oom import attempt
 from ..workload import Workload
+from . import stash
 from .timeline import BEFORE, END, END_FORWARD, Recorder, Run, split
 
 # Timed repeats of the optimizer step (the median is used).
@@ -28,27 +29,16 @@ STEP_REPEATS = 3
 
 
 @contextlib.contextmanager
-def preserved_state(model: nn.Module) -> Iterator[None]:
-    """Parameters, gradients, buffers, train/eval mode and the global RNG come back as they were.
+def preserved_state(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+    """Parameters, gradients, buffers, train/eval mode, ``optimizer``'s state and the RNG (CPU and
+    every CUDA device of the model) come back exactly as they were.
 
-    Copies live in host memory, so the device holds nothing extra while profiling.
+    Never a second copy on the model's device (see stash.py): what may change is kept in host
+    memory for a model on an accelerator and in a temporary file for a model in host memory.
+    Frozen parameters (requires_grad=False) are not copied: no optimizer updates them.
     """
-    tensors = [*model.parameters(), *model.buffers()]
-    saved = [tensor.detach().to("cpu", copy=True) for tensor in tensors]
-    grads = [(p, p.grad) for p in model.parameters()]
-    modes = [(module, module.training) for module in model.modules()]
-    devices = [d.index or 0 for d in {t.device for t in tensors} if d.type == "cuda"]
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for tensor, copy in zip(tensors, saved, strict=True):
-                    tensor.copy_(copy)
-            for parameter, grad in grads:
-                parameter.grad = grad
-            for module, training in modes:
-                module.training = training
+    with stash.preserved(model, optimizer=optimizer):
+        yield
 
 
 def micro_batch_run(

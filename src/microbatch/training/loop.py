@@ -94,16 +94,18 @@ def autocast(session: Session) -> contextlib.AbstractContextManager[Any]:
 def evaluate(session: Session) -> float:
     """Token-weighted mean validation loss over the fixed validation batches."""
     session.raw_model.eval()
-    total_loss, total_tokens = 0.0, 0
+    total_loss: torch.Tensor | float = 0.0
+    total_tokens: torch.Tensor | int = 0
     try:
         for batch in session.validation:
             with autocast(session):
                 loss, tokens = gpt_loss(session.raw_model, move_batch(batch, session.device))
-            total_loss += float(loss) * tokens
-            total_tokens += tokens
+            # Summed on the device and read once at the end: no host sync per batch.
+            total_loss = total_loss + loss.double() * tokens
+            total_tokens = total_tokens + tokens
     finally:
         session.raw_model.train()
-    return total_loss / max(total_tokens, 1)
+    return float(total_loss) / max(int(total_tokens), 1)
 
 
 def _window_batches(session: Session) -> list[dict[str, torch.Tensor]]:
@@ -133,7 +135,7 @@ def _run_window(session: Session, micro_batches: list[dict[str, torch.Tensor]]) 
         with autocast(session):
             loss, tokens = gpt_loss(session.model, micro.batch)
         # A micro-batch of padding only (impossible with ByteBatches' lengths >= 1) still needs items >= 1.
-        acc.backward(loss, items=max(tokens, 1))
+        acc.backward(loss, items=tokens.clamp(min=1))
         if micro.is_last:
             stats = acc.step()
     if stats is None:  # iterate() always ends a window with is_last; this guards the type only
@@ -198,7 +200,7 @@ def _train_window(session: Session, peak: PeakMemory) -> tuple[WindowStats, floa
             with peak.measure(session.step + 1):
                 stats = _run_window(session, micro_batches)
             return stats, time.perf_counter() - started
-        except RuntimeError as error:
+        except (RuntimeError, MemoryError) as error:
             if not is_out_of_memory(error) or distributed.world_size() > 1:
                 raise
             failed = True

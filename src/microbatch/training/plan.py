@@ -40,7 +40,7 @@ def resolve_device(name: str | None) -> torch.device:
     if name is not None:
         try:
             device = torch.device(name)
-        except RuntimeError as error:
+        except (RuntimeError, MemoryError) as error:
             raise ConfigError(f"device={name!r} is not a torch device: {error}") from error
         if device.type == "meta":
             raise ConfigError(
@@ -59,9 +59,8 @@ def memory_budget_bytes(memory: str | int | None, device: torch.device) -> int:
     """``memory`` in bytes; without it, 90 % of the free CUDA memory, or DEFAULT_CPU_MEMORY on a CPU."""
     if memory is not None:
         return parse_bytes(memory, device=device, name="--memory")
-    if device.type == "cuda":
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-        return int(free_bytes * CUDA_FREE_MEMORY_FRACTION)
+    if device.type == "cuda":  # of the free memory, this process's cached memory included
+        return parse_bytes(float(CUDA_FREE_MEMORY_FRACTION), device=device, name="--memory")
     return parse_bytes(DEFAULT_CPU_MEMORY, name="--memory")
 
 
