@@ -23,9 +23,12 @@ Only exceptions are examined, and errors are never swallowed here: callers decid
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
+T = TypeVar("T")
 # Status names that mean "the library could not allocate device memory" (cuBLAS, cuDNN, cuFFT,
 # cuSOLVER, cuSPARSE, the CUDA runtime), matched case-sensitively as the libraries print them.
 ALLOCATION_STATUS_NAMES = (
@@ -63,3 +66,21 @@ def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def attempt(run: Callable[[], T], device: torch.device) -> T | None:
+    """``run()``'s result, or None when it ran out of memory (then memory is freed).
+
+    The one "try, and recognise an OOM" of the package: any other error propagates. The memory is
+    freed outside the except block, where the failed frame's tensors are no longer referenced.
+    """
+    out_of_memory = False
+    try:
+        return run()
+    except (RuntimeError, MemoryError) as error:
+        if not is_out_of_memory(error):
+            raise
+        out_of_memory = True
+    if out_of_memory:
+        free_memory(device)
+    return None

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+from ..errors import ConfigError
 from ..planner import plan
 from ..planner.plot import save_frontier_plot
 from ..workload import BUILTIN_WORKLOADS, load_workload
@@ -57,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--plot", metavar="PATH", help="draw the frontier (peak vs time per step) to PATH")
+    parser.add_argument(
+        "--out",
+        metavar="PLAN.json",
+        help="save the plan (Plan.load reads it; microbatch train --plan PLAN.json uses it)",
+    )
 
 
 class _Progress:
@@ -81,7 +88,17 @@ class _Progress:
             print("\r" + " " * 78 + "\r", end="", file=sys.stderr, flush=True)
 
 
+def _check_output(flag: str, path: str | None) -> None:
+    """Refuse an output path that cannot be written before planning, not after (the plan would be lost)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK) or os.path.isdir(path):
+        raise ConfigError(f"{flag} {path!r}: cannot write there; choose a file in a folder you can write to")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_output("--out", args.out)
     workload = load_workload(args.model)
     blocks = (
         "auto" if args.blocks == "auto" else [name.strip() for name in args.blocks.split(",") if name.strip()]
@@ -104,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         progress.close()
+    if args.out:
+        result.save(args.out)
     if args.plot:
         save_frontier_plot(result, args.plot)
     if args.json:
@@ -112,4 +131,6 @@ def run(args: argparse.Namespace) -> int:
         print(result)
         if args.plot:
             print(f"frontier plot: {args.plot}")
+        if args.out:
+            print(f"plan saved: {args.out}")
     return 0

@@ -81,8 +81,9 @@ def profiling_error(error: ValueError, rules: SplitRules) -> ConfigError | None:
     )
 
 
-def batchnorm_note(model: nn.Module, micro_batch_size: int, steps: int, rules: SplitRules) -> str | None:
+def batchnorm_note(model: nn.Module, chosen: Candidate, rules: SplitRules) -> str | None:
     """The plan's note when BatchNorm layers train and the batch is split."""
+    micro_batch_size, steps = chosen.micro_batch_size, chosen.steps
     training = [name for name, layer in batchnorm_layers(model) if layer.training]
     if not training or steps <= 1:
         return None
@@ -96,6 +97,14 @@ def batchnorm_note(model: nn.Module, micro_batch_size: int, steps: int, rules: S
         f"with its own statistics, not the batch's, so accumulation over {steps} steps is not exact; "
         f"{advice}; min_micro_batch_size sets a floor; convert_batchnorm_to_groupnorm makes it exact"
     )
+
+
+def beats(candidate: Candidate, other: Candidate, *, prefer_large: bool, tie: float) -> bool:
+    """True when ``candidate`` is the better plan: larger micro-batch first when ``prefer_large``, else
+    faster by more than the fraction ``tie`` (the timings' noise)."""
+    if prefer_large and candidate.micro_batch_size != other.micro_batch_size:
+        return candidate.micro_batch_size > other.micro_batch_size
+    return candidate.seconds_per_step < other.seconds_per_step / (1 + tie)
 
 
 def nearest_even_batch(per_rank_batch: int, fits: Callable[[int], bool]) -> int | None:

@@ -40,7 +40,7 @@ from ..checkpoint import BlockSpec, checkpoint
 from ..compiled import eager_workload
 from ..errors import ConfigError, InfeasibleBudgetError
 from ..memory import MemoryTracker, format_bytes, parse_bytes
-from ..oom import free_memory, is_out_of_memory
+from ..oom import attempt, free_memory
 from ..profile import (
     NONE,
     Profile,
@@ -52,8 +52,8 @@ from ..profile.stash import optimizer_instance
 from ..workload import Workload, load_workload
 from .plan import FrontierPoint, Plan, summarize_policies
 from .reserve import BudgetReserve, outside_the_model, with_reserve
-from .rules import SplitRules, batchnorm_note, even_batch, profile_with_rules
-from .search import Candidate, Model, SearchResult, _rank, search
+from .rules import SplitRules, batchnorm_note, beats, even_batch, profile_with_rules
+from .search import Candidate, Model, SearchResult, search, tie_fraction
 from .tokens import token_budget
 
 logger = logging.getLogger(__name__)
@@ -204,16 +204,7 @@ def _frontier(result: SearchResult, reserve_bytes: int = 0) -> tuple[FrontierPoi
 
 def _attempt(workload: Workload, candidate: Candidate) -> TrialResult | None:
     """The trial's result; None when it ran out of memory (memory freed)."""
-    out_of_memory = False
-    try:
-        return run_trial(workload, candidate)
-    except (RuntimeError, MemoryError) as error:
-        if not is_out_of_memory(error):
-            raise
-        out_of_memory = True
-    if out_of_memory:  # outside the handler, so the failed window's tensors can be freed
-        free_memory(workload.device)
-    return None
+    return attempt(lambda: run_trial(workload, candidate), workload.device)
 
 
 def _faster_without_margin(
@@ -234,10 +225,9 @@ def _faster_without_margin(
         safety_margin=0.0,
         **rules.search_options(),
     ).best
-    if bold is None or (
-        safe is not None and _rank(bold, rules.prefer_large) >= _rank(safe, rules.prefer_large)
-    ):
-        return None
+    tie = tie_fraction(profile)
+    if bold is None or (safe is not None and not beats(bold, safe, prefer_large=rules.prefer_large, tie=tie)):
+        return None  # not better beyond the timings' noise: the safe plan it is
     model = Model(profile, correction_bytes=correction_bytes)
     return model.evaluate(bold.micro_batch_sizes, dict(bold.block_policies))
 
@@ -333,6 +323,10 @@ def plan(
     allocator plus what is measured outside it (see planner.reserve).
     ``min_micro_batch_size``, ``even``, ``prefer_large_micro_batches``: how the batch may be split
     (planner/rules.py). A torch.compile'd model is profiled eagerly (the module inside it).
+    ``progress``: called as ``progress(what, done, total)`` while profiling runs (what is running,
+    runs done, runs in all) and once per trial window (``total`` 1); the CLI draws it as a line.
+    Without it, the planner still logs one INFO line per phase (profile, each trial, the choice)
+    to ``logging.getLogger("microbatch.planner.trial")``.
     Raises InfeasibleBudgetError when no plan fits; never lets an out-of-memory error escape.
     """
     began = time.perf_counter()
@@ -356,6 +350,13 @@ def plan(
         options = {"blocks": blocks, "policies": policies, "progress": progress}
         largest = max_profile_micro_batch_size or DEFAULT_MAX_PROFILE_SIZE
         profile = profile_with_rules(profile_workload, workload, rules, per_rank_batch, largest, **options)
+        logger.info(
+            "planning %s: profiled %d blocks at micro-batch sizes %s in %.1f s",
+            workload.name,
+            len(profile.blocks),
+            list(profile.micro_batch_sizes),
+            profile.profile_seconds,
+        )
     if extend:
         profile = _extend_profile(
             workload,
@@ -413,6 +414,7 @@ def plan(
             f"micro-batch {chosen.micro_batch_size} x {chosen.steps} "
             f"with {summarize_policies(chosen.block_policies)}"
         )
+        logger.info("planning %s: trial %d: %s", workload.name, trials, what)
         if progress is not None:
             progress(f"trial {trials}: {what}", 0, 1)
         measured = _attempt(workload, chosen)
@@ -439,8 +441,15 @@ def plan(
                 )
             break
         logger.info(notes[-1])
-    bn_note = batchnorm_note(workload.model, chosen.micro_batch_size, chosen.steps, rules)
-    notes += [bn_note] if bn_note else []
+    notes += [note for note in (batchnorm_note(workload.model, chosen, rules),) if note]
+    logger.info(
+        "planning %s: chose micro-batch %d x %d steps with %s in %.1f s",
+        workload.name,
+        chosen.micro_batch_size,
+        chosen.steps,
+        summarize_policies(chosen.block_policies),
+        time.perf_counter() - began,
+    )
     return Plan(
         workload=workload.name,
         batch_size=batch,
@@ -461,4 +470,6 @@ def plan(
         planning_seconds=time.perf_counter() - began,
         notes=tuple(notes),
         max_tokens=token_budget(workload, chosen.micro_batch_size),
+        parameters=sum(parameter.numel() for parameter in workload.model.parameters()),
+        device=workload.device.type,
     )
