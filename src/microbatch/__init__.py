@@ -1,7 +1,8 @@
 """microbatch: train with the batch size your recipe asks for, on the memory you have.
 
 Exact gradient accumulation, activation checkpointing that is safe by default, and a planner
-that fits a target batch into a memory budget. See DESIGN.md for the contract.
+that fits a target batch into a memory budget. The architecture (data flow, each module's job,
+the invariants) is in docs/design.md.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .memory import MemoryTracker, format_bytes, parse_bytes
 from .planner import FrontierPoint, Plan, plan
 from .planner.cached import CachedPlan, plan_cached
 from .profile import Profile, profile_workload
+from .tokens import TokenStats, TokenWindows, split_by_tokens
 from .verify import VerifyReport, verify
 from .workload import Workload, load_workload
 
@@ -43,6 +45,8 @@ __all__ = [
     "Plan",
     "Profile",
     "ResumeError",
+    "TokenStats",
+    "TokenWindows",
     "UsageError",
     "VerifyReport",
     "WindowStats",
@@ -62,5 +66,6 @@ __all__ = [
     "plan_cached",
     "profile_workload",
     "schedules",
+    "split_by_tokens",
     "verify",
 ]

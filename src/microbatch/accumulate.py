@@ -45,6 +45,7 @@ from .batching import batch_size_of
 from .batchnorm import batchnorm_layers, corrected_momentum
 from .errors import ConfigError, UsageError
 from .feed import Feed
+from .precision import WideGradients
 
 logger = logging.getLogger(__name__)
 
@@ -115,14 +116,18 @@ def _validate_steps_value(value: object, where: str) -> int:
     return value
 
 
-def _validate_items(items: object) -> float:
+def _validate_items(items: object) -> float | torch.Tensor:
+    """A number checked now, or a one-element tensor kept on its device (its value is checked once
+    per window, in step(), so that no micro-batch waits for the device: see _note_tensor_items)."""
     if isinstance(items, bool):
         raise ConfigError(f"items must be a positive count of samples or tokens, got {items!r}")
     if isinstance(items, torch.Tensor):
         if items.numel() != 1:
             raise ConfigError(f"items must be a single count, got a tensor of shape {tuple(items.shape)}")
-        value = float(items.item())
-    elif isinstance(items, (int, float)):
+        if items.requires_grad:
+            items = items.detach()
+        return items.reshape(())
+    if isinstance(items, (int, float)):
         value = float(items)
     else:
         raise ConfigError(f"items must be an int or a one-element tensor, got {type(items).__name__}")
@@ -161,13 +166,17 @@ class Accumulator:
     a window's last micro-batch, or on every one with ``sync_every_micro_batch`` (less memory, more
     communication). ``correct_batchnorm_momentum`` sets each
     BatchNorm's momentum so a window of N micro-batches decays its running statistics like one update.
+    ``accumulate_dtype`` (e.g. torch.float32) sums low-precision parameters' gradients in that dtype
+    across the window and rounds once at ``step()`` (see precision.py; single process only).
     """
 
-    # Window state, reset by _reset_window() after every step().
-    _items: float
+    # Window state, reset by _reset_window() after every step(). Counts given as device tensors stay
+    # tensors until step() reads them, once per window.
+    _items: float | torch.Tensor
     _loss_sum: torch.Tensor | float
     _micro_batches: int
-    _reference_items: float
+    _reference_items: float | torch.Tensor
+    _item_flags: torch.Tensor | None  # see _note_tensor_items
     _awaiting_step: bool
     _current: Micro | None
 
@@ -182,6 +191,7 @@ class Accumulator:
         scaler: torch.amp.GradScaler | None = None,
         sync_every_micro_batch: bool = False,
         correct_batchnorm_momentum: bool = False,
+        accumulate_dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -240,6 +250,13 @@ class Accumulator:
                 "(freeze them with requires_grad_(False), or add them to the optimizer)",
                 len(unstepped),
             )
+        if accumulate_dtype is not None and self._data_parallel is not None:
+            raise ConfigError(
+                "accumulate_dtype with DDP / FSDP is not supported: their gradient hooks read .grad, which "
+                "a wide accumulation empties between micro-batches; leave accumulate_dtype=None"
+            )
+        # Low-precision parameters' gradients summed in accumulate_dtype (precision.py).
+        self._wide = WideGradients(self._params, accumulate_dtype) if accumulate_dtype is not None else None
 
         self._batchnorm = batchnorm_layers(model)
         self._batchnorm_momentum = {name: layer.momentum for name, layer in self._batchnorm}
@@ -423,16 +440,16 @@ class Accumulator:
                     "backward() without items= needs the micro-batch from acc.iterate(loader); "
                     "pass items= (samples or tokens the loss averages over)"
                 )
-            items_value = float(batch_size_of(self._current.batch))
+            items_value: float | torch.Tensor = float(batch_size_of(self._current.batch))
         else:
             items_value = _validate_items(items)
 
         if padding:
             items_value = 0.0  # a repeated micro-batch that only keeps this rank in step
 
-        if self._micro_batches == 0:
-            self._reference_items = self._reference_count(items_value)
-        weighted = loss.reshape(()) * (items_value / self._reference_items)
+        sum_dtype = torch.float32 if loss.device.type == "mps" else torch.float64
+        items_value, weight = self._weight(items_value, loss, sum_dtype)
+        weighted = loss.reshape(()) * weight
         if self.scaler is not None:
             weighted = self.scaler.scale(weighted)
         # FSDP2 reduce-scatters in this backward only on a window's last micro-batch (or always when
@@ -445,21 +462,80 @@ class Accumulator:
             weighted.backward()
 
         if not padding:
-            self._items += items_value
+            self._items = self._items + items_value
             # Summed on the loss's device, no host sync per micro-batch; float64 where the device has it.
-            sum_dtype = torch.float32 if loss.device.type == "mps" else torch.float64
             self._loss_sum = self._loss_sum + loss.detach().reshape(()).to(sum_dtype) * items_value
+            if isinstance(items_value, torch.Tensor):
+                self._note_tensor_items(items_value, loss)
         self._micro_batches += 1
         if self._current is not None:
             self._awaiting_step = self._current.is_last
         else:
             self._awaiting_step = self._micro_batches >= self.steps_for(self.window)
 
-    def _reference_count(self, first_items: float) -> float:
+    def _weight(
+        self, items: float | torch.Tensor, loss: torch.Tensor, sum_dtype: torch.dtype
+    ) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+        """(items, items / R): a device count stays on the device, weighted there, read once per window."""
+        if isinstance(items, torch.Tensor):
+            items = items.to(device=loss.device, dtype=sum_dtype, non_blocking=True)
+        if self._micro_batches == 0:
+            self._reference_items = self._reference_count(items)
+        weight = items / self._reference_items
+        if isinstance(weight, torch.Tensor):
+            weight = weight.to(loss.dtype)
+        return items, weight
+
+    def _note_tensor_items(self, items: torch.Tensor, loss: torch.Tensor) -> None:
+        """Flag, on the device, a count that is negative, not finite or not whole (0), and an empty
+        micro-batch whose mean loss is not finite, 0/0 (1); step() reads the flags with the counts."""
+        bad = ~torch.isfinite(items) | (items < 0) | (items != torch.round(items))
+        empty = (items == 0) & ~torch.isfinite(loss.detach().reshape(()))
+        flags = torch.stack([bad, empty])
+        self._item_flags = flags if self._item_flags is None else self._item_flags | flags
+
+    def _read_window(self) -> tuple[float, float, float]:
+        """This rank's items, loss sum and R as numbers: one read from the device per window."""
+        values = [self._items, self._loss_sum, self._reference_items]
+        flags, self._item_flags = self._item_flags, None
+        on_device = [v for v in (*values, flags) if isinstance(v, torch.Tensor)]
+        if not on_device:
+            return float(values[0]), float(values[1]), float(values[2])
+        device = on_device[0].device
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        read = iter(
+            torch.cat([v.to(device=device, dtype=dtype).reshape(-1) for v in on_device]).cpu().tolist()
+        )
+        numbers = [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+        bad, empty = (next(read), next(read)) if flags is not None else (0.0, 0.0)
+        if bad or empty:
+            self._discard_window()
+            raise ConfigError(
+                f"window {self.window}: "
+                + (
+                    "an items count was negative, not finite or not a whole number"
+                    if bad
+                    else "a micro-batch with items=0 had a non-finite loss (0/0: no predicted tokens)"
+                )
+                + "; the window's gradients are discarded. Drop such micro-batches from the data"
+            )
+        return numbers[0], numbers[1], numbers[2]
+
+    def _discard_window(self) -> None:
+        for p in self._params:
+            p.grad = None
+        self._reset_window()
+
+    def _reference_count(self, first_items: float | torch.Tensor) -> float | torch.Tensor:
         """R: an estimate of this rank's window total, identical on all ranks (see module docstring)."""
         steps = self.steps_for(self.window)
         if self._items_per_micro is not None:
             return max(self._items_per_micro * steps, 1.0)
+        if isinstance(first_items, torch.Tensor):
+            estimate_tensor = (first_items * steps).clamp(min=1.0)
+            if self._data_parallel is not None:
+                distributed.all_reduce_max_(estimate_tensor)  # on the device: no host sync
+            return estimate_tensor
         estimate = first_items * steps
         if self._data_parallel is not None:
             # Averaged gradients must be weighted alike on every rank: agree once, on the first window.
@@ -481,7 +557,8 @@ class Accumulator:
                 f"{self.steps_for(self.window)} done); call it when micro.is_last, or pass partial=True "
                 "to end the window early"
             )
-        local = [self._items, float(self._loss_sum), float(self._micro_batches), float(self._has_more_local)]
+        items, loss_sum_local, reference = self._read_window()
+        local = [items, loss_sum_local, float(self._micro_batches), float(self._has_more_local)]
         if self._data_parallel is not None:
             # One all_reduce per window: global items T, loss sum, micro-batches, ranks with more data.
             total_items, loss_sum, total_micro_batches, self._ranks_with_more = distributed.all_reduce_values(
@@ -497,19 +574,27 @@ class Accumulator:
         # Transactional: everything that can fail is read first; the gradients change only right
         # before the optimizer step, and are changed back if it raises (a retry is then exact).
         lr = _learning_rate(self.optimizer)
-        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        factor = reference * averaged_over / total_items
+        widened = self._wide.restore_(factor) if self._wide is not None else set()  # scaled in the wide dtype
+        stepped = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # the optimizer's gradients only, at most once a window
-        factor = self._reference_items * averaged_over / total_items
-        # Normalising multiplies every gradient by factor, so its norm is factor * the norm before.
-        grad_norm = factor * self._total_norm(grads)
+        grads = [p.grad for p in stepped if id(p) not in widened]
+        wide = [p for p in stepped if id(p) in widened]
+        # Normalising multiplies the other gradients by factor (the wide ones are already), so the
+        # total norm is sqrt((factor * |others|)^2 + |wide|^2).
+        grad_norm = math.hypot(factor * self._total_norm(grads), self._total_norm([p.grad for p in wide]))
         skipped = not math.isfinite(grad_norm)
-        multiplier = factor
+        clip = 1.0
         if self.max_grad_norm is not None and not skipped:
             # torch.nn.utils.clip_grad_norm_'s coefficient, applied in the same multiply.
-            multiplier *= min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+            clip = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+        multiplier = factor * clip
         if grads and multiplier != 1.0:
             torch._foreach_mul_(grads, multiplier)
+        wide_grads = [p.grad for p in wide if p.grad is not None]
+        if wide_grads and clip != 1.0:
+            torch._foreach_mul_(wide_grads, clip)
         try:
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)  # skips by itself when unscale_ found inf/nan
@@ -520,7 +605,7 @@ class Accumulator:
                     "window %d: non-finite gradient norm (%s); optimizer step skipped", self.window, grad_norm
                 )
         except BaseException:
-            self._restore_grads(grads, multiplier)
+            self._restore_grads(grads, multiplier, wide, clip, factor)
             raise
         if self.scaler is not None:
             self.scaler.update()
@@ -555,16 +640,32 @@ class Accumulator:
             norm = norm.full_tensor()
         return float(norm)
 
-    def _restore_grads(self, grads: list[torch.Tensor], multiplier: float) -> None:
+    def _restore_grads(
+        self,
+        grads: list[torch.Tensor],
+        multiplier: float,
+        wide: list[nn.Parameter],
+        clip: float,
+        factor: float,
+    ) -> None:
         """Undo step()'s changes after the optimizer raised: the window's gradients as before step()."""
         if grads and multiplier != 1.0:
             torch._foreach_div_(grads, multiplier)  # within one rounding of the gradients before
+        wide_grads = [p.grad for p in wide if p.grad is not None]
+        if wide_grads and clip != 1.0:
+            torch._foreach_div_(wide_grads, clip)
         if self.scaler is not None:
             scale = self.scaler.get_scale()
-            if grads and scale != 1.0:
-                torch._foreach_mul_(grads, scale)  # a power of two: exactly undoes unscale_
+            everything = grads + wide_grads
+            if everything and scale != 1.0:
+                torch._foreach_mul_(everything, scale)  # a power of two: exactly undoes unscale_
             # Forget that unscale_ ran for this optimizer, so a retried step() may call it again.
             self.scaler._per_optimizer_states.pop(id(self.optimizer), None)
+        if self._wide is not None:
+            for p in wide:  # back into the wide sums, unnormalised, as before restore_()
+                if p.grad is not None:
+                    self._wide.sums[id(p)] = p.grad.to(self._wide.dtype) / factor
+                p.grad = None
         logger.warning(
             "window %d: the optimizer step raised; the window's gradients are restored, so step() can "
             "be retried or the window dropped with discard_window()",
@@ -580,11 +681,14 @@ class Accumulator:
         """
         for p in self._params:
             p.grad = None
+        if self._wide is not None:
+            self._wide.sums.clear()
         self.optimizer.zero_grad(set_to_none=True)
         self._reset_window()
 
     def _reset_window(self) -> None:
         self._items = 0.0
+        self._item_flags = None
         self._loss_sum = 0.0
         self._micro_batches = 0
         self._reference_items = 1.0

@@ -24,6 +24,8 @@ Safety beyond torch.utils.checkpoint:
   ``use_cache=True`` or a past-key-values argument runs with the cache off (said once, at INFO).
   Calls under ``torch.no_grad()`` (evaluation, generation) are not checkpointed and pass untouched.
 - Each block is checkpointed at most once; nesting is an error, not a silent double recompute.
+- torch.compile: a block that dynamo traces runs a compile-safe form of its policy (compiled.py);
+  a compiled model may be passed in (its blocks are named as in the eager model).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import compiled
+from .auto_blocks import auto_blocks, describe_blocks
 from .errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -89,49 +93,6 @@ _MATMUL_OPS = frozenset(
 # Finding blocks
 
 
-def _signature(module: nn.Module) -> tuple[Any, ...]:
-    return (type(module), tuple((name, tuple(p.shape)) for name, p in module.named_parameters()))
-
-
-def _num_parameters(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def _auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Largest run of consecutive same-class, same-shape children of any ModuleList / Sequential.
-
-    Ties go to the run with more parameters, then to the one found first. Blocks without
-    parameters (activations, dropout) are not candidates: checkpointing them saves nothing.
-    """
-    best: list[tuple[str, nn.Module]] = []
-    best_key = (1, 0)
-    for container_name, container in model.named_modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(container.named_children())
-        start = 0
-        while start < len(children):
-            signature = _signature(children[start][1])
-            stop = start + 1
-            while stop < len(children) and _signature(children[stop][1]) == signature:
-                stop += 1
-            run = children[start:stop]
-            start = stop
-            num_params = sum(_num_parameters(module) for _, module in run)
-            key = (len(run), num_params)
-            if len(run) >= 2 and num_params > 0 and key > best_key:
-                prefix = f"{container_name}." if container_name else ""
-                best, best_key = [(prefix + name, module) for name, module in run], key
-    if not best:
-        raise CheckpointError(
-            f"blocks='auto' found no repeated blocks in {type(model).__name__}: no nn.ModuleList or "
-            "nn.Sequential holds two or more consecutive modules of the same class and parameter shapes. "
-            "Name the blocks instead, e.g. blocks=['encoder.0', 'encoder.1'] (see model.named_modules()), "
-            "or pass a predicate such as blocks=lambda name, module: isinstance(module, MyBlock)"
-        )
-    return best
-
-
 def _check_not_nested(names: Sequence[str]) -> None:
     chosen = set(names)
     for name in names:
@@ -148,9 +109,9 @@ def _check_not_nested(names: Sequence[str]) -> None:
 def find_blocks(model: nn.Module, blocks: BlockSpec = "auto") -> list[tuple[str, nn.Module]]:
     """The (name, module) pairs ``blocks`` selects, in model order.
 
-    ``blocks`` is "auto" (the largest run of repeated blocks in any ModuleList / Sequential, wherever
-    it lives), a list of module names (as in ``model.named_modules()``), or a predicate
-    ``(name, module) -> bool`` applied to every submodule. The blocks may not nest.
+    ``blocks`` is "auto" (every repeated unit, across stages and shapes: see auto_blocks.py), a list
+    of module names (as in ``model.named_modules()``), or a predicate ``(name, module) -> bool``
+    applied to every submodule. The blocks may not nest.
     """
     if isinstance(blocks, str):
         if blocks != "auto":
@@ -158,7 +119,7 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = "auto") -> list[tuple[str,
                 f"blocks={blocks!r}: pass 'auto', a list of module names such as [{blocks!r}], "
                 "or a predicate (name, module) -> bool"
             )
-        return _auto_blocks(model)
+        return auto_blocks(model)
     modules = dict(model.named_modules())
     if callable(blocks):
         predicate = blocks
@@ -268,28 +229,13 @@ def _offload_saved_inputs(*, copy_host_tensors: bool = False) -> torch.autograd.
     """Keep the tensors saved under this context in host memory until backward needs them.
 
     Around a checkpoint call the only tensors saved here are the block's inputs (the checkpoint's
-    own hooks take over inside the block). Device tensors are copied to pinned host memory when
-    CUDA is present (so the copies can overlap compute) and copied back on unpack. Host tensors stay
-    as they are unless ``copy_host_tensors`` (tests use it to exercise the round trip on CPU).
+    own hooks take over inside the block). The copies run on a side stream, and backward prefetches
+    the next block's input (microbatch.offload). Host tensors stay as they are unless
+    ``copy_host_tensors`` (tests use it to exercise the round trip on CPU).
     """
-    pin_memory = torch.cuda.is_available()
+    from .offload import saved_on_host
 
-    def pack(tensor: torch.Tensor) -> Any:
-        if tensor.device.type == "cpu" and not copy_host_tensors:
-            return tensor
-        host = torch.empty(
-            tensor.size(), dtype=tensor.dtype, layout=tensor.layout, device="cpu", pin_memory=pin_memory
-        )
-        host.copy_(tensor, non_blocking=pin_memory)
-        return (tensor.device, host)
-
-    def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        device, host = packed
-        return host.to(device, non_blocking=pin_memory)  # type: ignore[no-any-return]
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    return saved_on_host(copy_host_tensors=copy_host_tensors)
 
 
 class _RunningStatsGuard:
@@ -352,6 +298,8 @@ class CheckpointHandle:
         self._originals: list[tuple[nn.Module, bool, Any]] = []
         self._cache_notice_given = False
         self.removed = False
+        # True once dynamo traced a block: the blocks then run in compiled.COMPILED_FORMS
+        self.compiled_calls = False
 
     def remove(self) -> None:
         """Restore every wrapped block's original forward exactly; a second call does nothing."""
@@ -376,7 +324,7 @@ class CheckpointHandle:
         return f"CheckpointHandle({self._model_name}, {state}: {shown})"
 
     def _notice_cache_off(self, name: str) -> None:
-        if not self._cache_notice_given:
+        if not self._cache_notice_given and not compiled.is_compiling():  # a log call breaks a graph
             self._cache_notice_given = True
             logger.info(
                 "checkpointed block %r was called with a cache during training; the cache is turned "
@@ -397,6 +345,9 @@ class CheckpointHandle:
             if not torch.is_grad_enabled():
                 return original(*args, **kwargs)
             args, kwargs = cache_off(args, kwargs)
+            if compiled.is_compiling():  # traced by dynamo: no Python runs in the compiled backward
+                self.compiled_calls = True
+                return compiled.run_compiled(original, policy, args, kwargs)
             return _run_checkpointed(original, policy, guard, plan, args, kwargs)
 
         self._originals.append((module, had_instance_forward, module.__dict__.get("forward")))
@@ -467,9 +418,10 @@ def _run_checkpointed(
 
     saved: set[_OpKey] = set()
     reached: set[_OpKey] = set()
-    context_fn: Callable[[], tuple[Any, Any]] = torch_checkpoint.noop_context_fn
+    # context_fn only when selective: an explicit noop_context_fn is not traceable by dynamo
+    options: dict[str, Any] = {}
     if plan is not None:
-        context_fn = functools.partial(plan.contexts, saved, reached)
+        options["context_fn"] = functools.partial(plan.contexts, saved, reached)
     saving = _offload_saved_inputs() if policy == "offload" else contextlib.nullcontext()
     with saving:
         return torch_checkpoint.checkpoint(
@@ -478,7 +430,7 @@ def _run_checkpointed(
             *kwargs.values(),
             use_reentrant=False,
             preserve_rng_state=True,
-            context_fn=context_fn,
+            **options,
         )
 
 
@@ -507,6 +459,22 @@ def _resolve_policies(model: nn.Module, blocks: BlockSpec, policy: str | Mapping
     return {name: policy[name] for name, _ in found if policy[name] != "none"}
 
 
+def _turn_off_hf_checkpointing(model: nn.Module) -> None:
+    """transformers' own gradient checkpointing off: with ours on top, blocks would recompute twice."""
+    # transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_* (old names warn)
+    new_names = hasattr(type(model), "is_activation_checkpointing")
+    prefix = "activation" if new_names else "gradient"
+    if getattr(model, f"is_{prefix}_checkpointing", False) is True:
+        getattr(model, f"{prefix}_checkpointing_disable")()
+        logger.warning(
+            "%s had transformers' gradient checkpointing on; turned it off "
+            "(model.%s_checkpointing_disable()) so that microbatch's checkpointing alone decides "
+            "what is recomputed. handle.remove() does not turn it back on",
+            type(model).__name__,
+            prefix,
+        )
+
+
 def checkpoint(
     model: nn.Module,
     blocks: BlockSpec = "auto",
@@ -521,6 +489,8 @@ def checkpoint(
     Raises CheckpointError (unknown or nested blocks, nothing repeated for "auto", a block already
     checkpointed) or ConfigError (unknown policy); the model is untouched when it raises.
     """
+    compiled_model = compiled.is_compiled(model)
+    model = compiled.unwrap_compiled(model)  # names as in the eager model, not "_orig_mod."
     policies = _resolve_policies(model, blocks, policy)
     modules = dict(model.named_modules())
     for name in policies:
@@ -541,6 +511,7 @@ def checkpoint(
                     f"blocks: {full_name!r} is already checkpointed; a module can be checkpointed once. "
                     "remove() the earlier handle first"
                 )
+    _turn_off_hf_checkpointing(model)
     handle = CheckpointHandle(model, policies)
     if "offload" in policies.values() and not torch.cuda.is_available():
         logger.warning(
@@ -548,5 +519,10 @@ def checkpoint(
         )
     for name, block_policy in policies.items():
         handle._wrap(name, modules[name], block_policy)
+    if compiled_model:
+        logger.info("%s", compiled.compiled_notice(policies))
+    if isinstance(blocks, str) and isinstance(policy, str):  # say what "auto" picked
+        picked = describe_blocks([(name, modules[name]) for name in policies])
+        logger.info("checkpoint: blocks='auto' picked %s, policy=%r", picked, policy)
     logger.debug("checkpointed %d blocks: %s", len(policies), handle.policies)
     return handle

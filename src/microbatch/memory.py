@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import re
 import weakref
@@ -14,7 +15,10 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .compiled import is_compiled
 from .errors import ConfigError, UsageError
+
+logger = logging.getLogger(__name__)
 
 _UNITS = {
     "": 1,
@@ -68,6 +72,20 @@ def device_free_bytes(device: torch.device | str | None = None) -> int:
     return device_memory_bytes(device)
 
 
+def fraction_base_bytes(device: torch.device | str | None = None) -> int:
+    """What a fractional budget is a fraction of: the device's free memory now.
+
+    On CUDA, free counts what this process's caching allocator holds (the model already loaded, its
+    cache) as well as what the driver reports free: both are this process's to plan with. On the
+    CPU, the RAM available (MemAvailable).
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        return int(free_bytes) + int(torch.cuda.memory_reserved(device))
+    return device_free_bytes(device)
+
+
 BYTES_RULE = (
     "a size with an optional unit ('8GiB', '300MiB', '1.5G', '1000000' bytes), or a fraction of the "
     "device's free memory at plan time ('80%', or a decimal in (0, 1] such as '0.8')"
@@ -81,8 +99,9 @@ def parse_bytes(
 
     A fraction is written as a percentage ("80%", in (0 %, 100 %]) or as a float in (0, 1] (1.0,
     0.8, "0.8", "5e-1"), and means that share of the memory free on ``device`` when this is called
-    (plan time). Anything else is a byte count with an optional unit ("8GiB", "300MiB", "1.5G";
-    SI: G = 10^9, GiB = 2^30): an int or integer literal (1 = one byte, "1e3" = 1000 bytes), and
+    (plan time; on CUDA also what this process's allocator holds, see fraction_base_bytes).
+    Anything else is a byte count with an optional unit ("8GiB", "300MiB", "1.5G"; SI: G = 10^9,
+    GiB = 2^30): an int or integer literal (1 = one byte, "1e3" = 1000 bytes), and
     without a unit it must be whole ("1.5" is refused: bytes are whole; write "1.5KB" or "0.5").
     """
     if isinstance(size, bool):
@@ -105,7 +124,7 @@ def parse_bytes(
         if not math.isfinite(size) or size <= 0:
             raise ConfigError(f"{name} must be positive and finite, got {size!r}; write {BYTES_RULE}")
         if size <= 1:
-            return max(1, int(size * device_free_bytes(device)))
+            return max(1, int(size * fraction_base_bytes(device)))
         if size != int(size):
             raise ConfigError(
                 f"{name}={size!r}: a float above 1 is a byte count and bytes are whole; write {BYTES_RULE}"
@@ -127,7 +146,7 @@ def _percent_of_free(number: str, size: str, *, device: torch.device | str | Non
         raise ConfigError(f"{name}={size!r} is not a percentage; write {BYTES_RULE}") from None
     if not (0 < percent <= 100):
         raise ConfigError(f"{name}={size!r}: a percentage of free memory must be in (0 %, 100 %]")
-    return max(1, int(percent / 100 * device_free_bytes(device)))
+    return max(1, int(percent / 100 * fraction_base_bytes(device)))
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -158,6 +177,7 @@ class _Storage:
     category: str
     seq: int  # allocation order; a storage with seq <= peak_seq that is still alive was alive at the peak
     ref: weakref.ref[torch.UntypedStorage]
+    event: int = 0  # its number in allocation_events (from 1), when recorded
 
 
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:
@@ -198,6 +218,9 @@ class _LiveStorageMode(TorchDispatchMode):
 class MemoryTracker:
     """Peak live tensor bytes on one device over a ``with`` block, by category.
 
+    The device: ``device`` when given, else the model's (or the optimizer's), else that of the first
+    tensor an op inside the block uses.
+
     Every storage is counted once, however many tensors view it. Categories: parameters (with
     buffers), gradients (``.grad`` of parameters), optimizer state (tensors an optimizer keeps in
     ``optimizer.state`` after ``step()``), saved activations (tensors autograd saved for backward),
@@ -215,6 +238,11 @@ class MemoryTracker:
     caching allocator rounds them. A storage made during ``optimizer.step()`` counts as a temporary
     until the step ends and it is found in ``optimizer.state``; the breakdown at a peak inside the
     step is corrected then.
+
+    torch.compile: the tracker is a TorchDispatchMode, under which dynamo does not compile, so a
+    compiled model runs (and is measured) eagerly inside the block; on torch 2.13 a compiled module
+    whose first call happens under the tracker may stay eager afterwards. Call it once before
+    tracking. (``mb.plan`` profiles the eager module inside a compiled one and never calls it.)
     """
 
     def __init__(
@@ -223,14 +251,27 @@ class MemoryTracker:
         *,
         model: torch.nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        record_allocations: bool = False,
     ) -> None:
+        # Without device=, the model's (or the optimizer's) device; failing those, the device of the
+        # first tensor the block uses. Never "the GPU because one exists": a CPU model on a GPU
+        # machine is tracked on the CPU.
+        self._device_from_first_tensor = False
         if device is None:
-            device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            device = _device_of(model, optimizer)
+            self._device_from_first_tensor = device is None
+        self.device = _resolved(torch.device(device) if device is not None else torch.device("cpu"))
+        if model is not None and is_compiled(model):
+            logger.warning(
+                "MemoryTracker(model=<torch.compile'd module>): inside the tracker the model runs eagerly "
+                "(dynamo does not compile under a dispatch mode); the peak is eager execution's"
+            )
         self._model = model
         self._optimizer = optimizer
+        # With record_allocations: n >= 0 for a storage of n bytes first seen, -k when the k-th is
+        # freed (what microbatch.allocator.replay takes, to state the peak in CUDA reserved bytes).
+        self.allocation_events: list[int] | None = [] if record_allocations else None
+        self._allocations = 0
         self.peak_bytes = 0
         self.breakdown: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.cuda_max_allocated_bytes: int | None = None
@@ -319,6 +360,11 @@ class MemoryTracker:
 
     def _on_device(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
         device = tensor.device
+        if self._device_from_first_tensor and device.type != "meta":
+            self._device_from_first_tensor = False
+            self.device = _resolved(device)
+            if self.device.type == "cuda" and self._stack is not None:
+                torch.cuda.reset_peak_memory_stats(self.device)
         if device.type != self.device.type or (
             self.device.index is not None and device.index is not None and device.index != self.device.index
         ):
@@ -347,6 +393,10 @@ class MemoryTracker:
         nbytes = self._storage_bytes(storage)
         self._seq += 1
         entry = _Storage(nbytes, category, self._seq, weakref.ref(storage, self._freed_callback(key)))
+        if self.allocation_events is not None:
+            self.allocation_events.append(int(storage.nbytes()))
+            self._allocations += 1
+            entry.event = self._allocations
         self._live[key] = entry
         self._totals[category] += nbytes
         self._current_bytes += nbytes
@@ -355,6 +405,8 @@ class MemoryTracker:
     def _freed_callback(self, key: int) -> Callable[[Any], None]:
         def freed(_: Any) -> None:
             entry = self._live.pop(key, None)
+            if entry is not None and entry.event and self.allocation_events is not None:
+                self.allocation_events.append(-entry.event)
             if entry is not None:
                 self._totals[entry.category] -= entry.nbytes
                 self._current_bytes -= entry.nbytes
@@ -454,3 +506,21 @@ class MemoryTracker:
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _device_of(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> torch.device | None:
+    """The device of the model's first parameter or buffer, else of the optimizer's first parameter."""
+    if model is not None:
+        for tensor in [*model.parameters(), *model.buffers()]:
+            return tensor.device
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                return torch.device(parameter.device)
+    return None
+
+
+def _resolved(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

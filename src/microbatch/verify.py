@@ -33,6 +33,7 @@ Diagnostics explain a difference instead of just reporting it:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 from collections.abc import Iterator, Mapping
@@ -46,6 +47,8 @@ from .accumulate import Accumulator
 from .batching import batch_size_of, move_batch, split_batch
 from .batchnorm import batchnorm_layers
 from .errors import ConfigError, WorkloadError
+from .precision import compute_dtype, low_precision_parameters, with_autocast
+from .verify_precision import Finding, compute_dtype_finding, wide_accumulation_finding
 from .workload import LossFn, Workload
 
 logger = logging.getLogger(__name__)
@@ -81,7 +84,8 @@ class ParameterDifference:
 
 @dataclass(frozen=True)
 class Diagnostic:
-    """One finding: ``kind`` is batchnorm, item-counts, items-mismatch, randomness, coupled or unexplained."""
+    """One finding: ``kind`` is batchnorm, item-counts, items-mismatch, randomness, coupled, precision or
+    unexplained."""
 
     kind: str
     severity: str  # "info" or "warning"
@@ -254,13 +258,15 @@ def _full_batch(base: nn.Module, loss_fn: LossFn, batch: Any, seed: int) -> _Pas
     return _Pass(grads, float(loss.detach()), _float_buffers(model), loss.dtype, items)
 
 
-def _accumulated(base: nn.Module, loss_fn: LossFn, micro: list[Any], seed: int) -> _Pass:
+def _accumulated(
+    base: nn.Module, loss_fn: LossFn, micro: list[Any], seed: int, accumulate_dtype: torch.dtype | None = None
+) -> _Pass:
     """The Accumulator's window gradient, captured just before its (lr=0) optimizer step."""
     model = copy.deepcopy(base)
     captured: Grads = {}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     optimizer.register_step_pre_hook(lambda *_: captured.update(_grads(model)))
-    acc = Accumulator(model, optimizer, steps=len(micro))
+    acc = Accumulator(model, optimizer, steps=len(micro), accumulate_dtype=accumulate_dtype)
     torch.manual_seed(seed)
     window_loss = math.nan
     for m in acc.iterate(micro):
@@ -650,6 +656,7 @@ def verify(
     dtype: torch.dtype | None = None,
     rtol: float | None = None,
     seed: int = 0,
+    autocast: torch.dtype | None = None,
 ) -> VerifyReport:
     """Compare microbatch's accumulated gradient with the full-batch gradient, from the same parameters.
 
@@ -657,9 +664,13 @@ def verify(
     as evenly as possible. ``dtype`` runs the comparison in another precision (float64 makes it sharp;
     the batch's floating tensors are cast too). ``rtol`` bounds max|a - G| / max|G| (default by dtype,
     see DEFAULT_RTOL). The workload's model, its modes and the global RNG are left untouched.
+    ``autocast`` (torch.bfloat16 / torch.float16) runs the loss under torch.autocast; autocast inside the
+    loss is detected. Either way the default rtol comes from the compute dtype (verify_precision.py).
     """
     _check_arguments(workload, batch, steps, rtol)
     device = workload.device
+    loss_fn = workload.loss if autocast is None else with_autocast(workload.loss, device.type, autocast)
+    workload = dataclasses.replace(workload, loss=loss_fn)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         base = copy.deepcopy(workload.model)
@@ -679,10 +690,19 @@ def verify(
         micro = split_batch(full_batch, sizes)
         control, deterministic = _control_randomness(base, workload.loss, micro[0], seed)
         full = _full_batch(base, workload.loss, full_batch, seed)
+        compute = compute_dtype(copy.deepcopy(base), workload.loss, micro[0])
+        findings: list[Finding] = []
         if rtol is None:
             # The comparison is only as sharp as the coarser of the parameters and the loss: a model
-            # may compute its loss in float32 inside a float64 model (transformers does).
+            # may compute its loss in float32 inside a float64 model (transformers does), or its
+            # matmuls in bfloat16 under autocast.
             rtol = max(DEFAULT_RTOL.get(parameter_dtype, 1e-5), DEFAULT_RTOL.get(full.loss_dtype, 1e-5))
+            if compute is not None:
+                rtol = max(rtol, DEFAULT_RTOL.get(compute, 1e-2))
+        if compute is not None:
+            findings.append(
+                compute_dtype_finding(compute, parameter_dtype, rtol, autocast_given=autocast is not None)
+            )
         setup = _Setup(base=base, loss_fn=workload.loss, batch=full_batch, micro=micro, seed=seed, rtol=rtol)
         num_values = sum(g.numel() for g in full.grads.values())
         # The fit means something only with many more gradient entries than micro-batches.
@@ -693,6 +713,12 @@ def verify(
         accumulated = _accumulated(base, workload.loss, setup.micro, seed)
         diff = _compare(accumulated.grads, full.grads)
         naive = _compare(per_micro.naive.grads, full.grads)
+        low = low_precision_parameters(base.parameters())
+        if low is not None and steps > 1:  # would float32 accumulation help? measured, not guessed
+            wide = _compare(
+                _accumulated(base, workload.loss, setup.micro, seed, torch.float32).grads, full.grads
+            )
+            findings.append(wide_accumulation_finding(low, steps, diff.max_rel, wide.max_rel, setup.rtol))
         diagnostics = _diagnose(
             setup,
             control=control,
@@ -724,5 +750,5 @@ def verify(
         naive_loss=per_micro.naive.loss,
         randomness_control=control,
         parameters=diff.per_parameter,
-        diagnostics=tuple(diagnostics),
+        diagnostics=(*(Diagnostic(f.kind, f.severity, f.message, f.details) for f in findings), *diagnostics),
     )

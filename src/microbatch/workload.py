@@ -35,6 +35,9 @@ class Workload:
     optimizer: optional: an optimizer instance over the model's parameters, or a factory
         ``optimizer(model) -> torch.optim.Optimizer``; AdamW(lr=1e-3) when absent. The planner never
         steps an instance: it steps a fresh one of the same class and parameter-group hyperparameters.
+    max_length: set when samples vary in length (at most ``max_length`` tokens) and ``make_batch(b)``
+        pads b rows to ``max_length`` (the worst case): the planner then also reports a token budget,
+        ``Plan.max_tokens``, for micro-batches split with ``split_by_tokens`` (see planner/tokens.py).
     """
 
     model: nn.Module
@@ -43,6 +46,7 @@ class Workload:
     optimizer: OptimizerFactory | torch.optim.Optimizer | None = None
     name: str = "workload"
     description: str = ""
+    max_length: int | None = None
 
     def make_optimizer(self) -> torch.optim.Optimizer:
         """A new optimizer for the model, with empty state (never the user's instance itself)."""

@@ -25,9 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--memory",
         required=True,
-        help="peak memory budget per rank: a size with an optional unit ('8GiB', '300MiB', '1000000' "
-        "bytes; whole bytes), or a fraction of the device's FREE memory at plan time: '80%%' or a decimal "
-        "in (0, 1] such as 0.8",
+        help=(
+            "peak memory budget per rank: a size with an optional unit ('8GiB', '300MiB', '1000000' bytes; "
+            "whole bytes), or a fraction of the device's FREE memory at plan time: '80%%' or a decimal in "
+            "(0, 1] such as 0.8. On CUDA: peak reserved bytes of the caching allocator + what is measured "
+            "outside it (context, cuBLAS/cuDNN workspaces, NCCL); on CPU: peak live tensor bytes; with "
+            "--world-size > 1 DDP's gradient buckets count too"
+        ),
     )
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     parser.add_argument(
@@ -41,8 +45,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated policies to consider (default: none,full,selective; offload on accelerators)",
     )
     parser.add_argument("--no-trial", action="store_true", help="trust the model: skip the real trial window")
+    parser.add_argument(
+        "--min-micro-batch",
+        type=int,
+        default=1,
+        metavar="K",
+        help="no micro-batch below K samples, the last included (e.g. 2 for BatchNorm after global pooling)",
+    )
+    parser.add_argument("--even", action="store_true", help="equal micro-batches: micro x steps == batch")
+    parser.add_argument(
+        "--prefer-large-micro-batches",
+        action="store_true",
+        help="the largest micro-batch that fits, then the fastest (BatchNorm normalises per micro-batch)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--plot", metavar="PATH", help="draw the frontier (peak vs time per step) to PATH")
+    parser.add_argument(
+        "--out",
+        metavar="PLAN.json",
+        help="save the plan (Plan.load reads it; microbatch train --plan PLAN.json uses it)",
+    )
 
 
 class _Progress:
@@ -65,6 +87,15 @@ class _Progress:
     def close(self) -> None:
         if self.interactive and self.last:
             print("\r" + " " * 78 + "\r", end="", file=sys.stderr, flush=True)
+
+
+def _check_output(flag: str, path: str | None) -> None:
+    """Refuse an output path that cannot be written before planning, not after (the plan would be lost)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK) or os.path.isdir(path):
+        raise ConfigError(f"{flag} {path!r}: cannot write there; choose a file in a folder you can write to")
 
 
 def check_plot_path(path: str) -> None:
@@ -92,6 +123,7 @@ def check_plot_path(path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    _check_output("--out", args.out)
     if args.plot:
         check_plot_path(args.plot)
     workload = load_workload(args.model)
@@ -110,9 +142,14 @@ def run(args: argparse.Namespace) -> int:
             policies=policies,
             trial=not args.no_trial,
             progress=progress,
+            min_micro_batch_size=args.min_micro_batch,
+            even=args.even,
+            prefer_large_micro_batches=args.prefer_large_micro_batches,
         )
     finally:
         progress.close()
+    if args.out:
+        result.save(args.out)
     if args.plot:
         save_frontier_plot(result, args.plot)
     if args.json:
@@ -121,4 +158,6 @@ def run(args: argparse.Namespace) -> int:
         print(result)
         if args.plot:
             print(f"frontier plot: {args.plot}")
+        if args.out:
+            print(f"plan saved: {args.out}")
     return 0

@@ -1,4 +1,4 @@
-"""``microbatch verify MODEL --batch B --steps N [--json]``: accumulated vs full-batch gradient.
+"""``microbatch verify MODEL --batch B --steps N [--autocast bf16] [--json]``: accumulated vs full batch.
 
 Exit status 0 when the gradients agree within the tolerance, 1 when they differ (the diagnostics
 say why), 2 for a usage mistake or an error in the user's own code, 3 for an internal error.
@@ -15,6 +15,7 @@ from ..verify import verify
 from ..workload import BUILTIN_WORKLOADS, load_workload
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
+AUTOCAST: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tolerance on max|accumulated - full| / max|full| (default 1e-5 in float32, 1e-10 in float64)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for the model's randomness (default 0)")
+    parser.add_argument(
+        "--autocast",
+        choices=sorted(AUTOCAST),
+        default=None,
+        help="run the loss under torch.autocast in this dtype; the tolerance then comes from it",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -56,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=DTYPES[args.dtype] if args.dtype else None,
         rtol=args.rtol,
         seed=args.seed,
+        autocast=AUTOCAST[args.autocast] if args.autocast else None,
     )
     print(json.dumps(report.to_dict(), indent=2) if args.json else report)
     return 0 if report.equivalent else 1

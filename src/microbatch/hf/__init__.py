@@ -3,8 +3,9 @@
 ``causal_lm_workload(model, batches)`` makes a Workload whose loss is the model's own token mean
 with the count of shifted labels it averages over, so the Accumulator, ``verify`` and the planner
 treat a transformers causal LM exactly (see ``causal_lm``). ``tiny_gpt2`` / ``tiny_llama`` /
-``tiny_bert`` build small models from configurations (see ``tiny``). Importing this package does
-not import transformers; building a model does.
+``tiny_bert`` build small models from configurations (see ``tiny``). ``fit_trainer(trainer, batch=...,
+memory=...)`` plans for a transformers Trainer and sets its batch size, accumulation and
+checkpointing. Importing this package does not import transformers; building a model does.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .tiny import (
     tiny_llama,
     tiny_llama_workload,
 )
+from .trainer import fit_trainer, trainer_workload
 
 __all__ = [
     "IGNORE_INDEX",
@@ -33,10 +35,12 @@ __all__ = [
     "causal_lm_workload",
     "check_causal_lm_loss",
     "count_causal_lm_items",
+    "fit_trainer",
     "pad_causal_lm_batch",
     "tiny_bert",
     "tiny_gpt2",
     "tiny_gpt2_workload",
     "tiny_llama",
     "tiny_llama_workload",
+    "trainer_workload",
 ]

@@ -28,19 +28,27 @@ The search is bounded. Up to EXACT_SEARCH_BATCH samples per rank every such b is
 fitting grid point and the next larger grid size finds the largest b that fits there (fitting is
 monotone in b: a larger micro-batch holds more). A window is at most MAX_STEPS_PER_WINDOW
 micro-batches, and each is priced from (size, count) pairs, never a list of N sizes.
+
+Ties: predicted times are fits of measured ones, which repeat only to within the profile's noise
+n = Profile.time_noise. Two plans' times can each be off by n in opposite directions, so plans
+whose predicted times differ by less than 2 n (at least MIN_TIE_FRACTION) are not told apart by
+the measurement: every fitting plan within that fraction of the fastest is a tie, and ties are
+broken by a fixed rule (``tie_key``): fewer recomputed FLOPs (each checkpointed block weighs by
+the share of its forward it recomputes, RECOMPUTE_FLOOR), then the larger micro-batch, then
+fewer steps. So the same command on the same machine gives the same plan
+although its timings differ from run to run.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import overload
 
 from ..errors import ConfigError
 from ..profile import NONE, Profile
 from . import solve
+from .windows import EXACT_SEARCH_BATCH, WindowSizes, candidate_sizes, size_counts
 
 FRONTIER_POINTS = 256  # per micro-batch size
 STEADY, FIRST, BOTH = "steady", "first", "both"  # phases of a window; see Model.chain
@@ -50,69 +58,9 @@ SAFETY_MARGIN = 0.01
 # Least extra time per policy, as a fraction of the block's forward: full and offload recompute
 # the whole forward; selective recomputes its cheap ops, taken as at least a tenth of it.
 RECOMPUTE_FLOOR = {"full": 1.0, "offload": 1.0, "selective": 0.1}
-EXACT_SEARCH_BATCH = 4096  # samples per rank up to which every micro-batch size is searched
-SMALL_SIZES = 16  # above EXACT_SEARCH_BATCH: every b up to this, then a geometric grid
-GRID_RATIO = 2 ** (1 / 4)
-MAX_STEPS_PER_WINDOW = 1_000_000  # micro-batches per optimizer step a plan may have
-
-
-class WindowSizes(Sequence[int]):
-    """A window's micro-batch sizes, [size] * (steps - 1) + [last], held as three numbers."""
-
-    __slots__ = ("last", "size", "steps")
-
-    def __init__(self, total: int, size: int) -> None:
-        if total < 1 or size < 1:
-            raise ConfigError(f"a window needs total >= 1 and size >= 1 samples, got {total} and {size}")
-        self.size = min(size, total)
-        self.steps = -(-total // self.size)
-        self.last = total - self.size * (self.steps - 1)
-
-    @property
-    def counts(self) -> tuple[tuple[int, int], ...]:
-        """(size, how many micro-batches have it), largest size first."""
-        if self.last == self.size:
-            return ((self.size, self.steps),)
-        return ((self.size, self.steps - 1), (self.last, 1))
-
-    def __len__(self) -> int:
-        return self.steps
-
-    @overload
-    def __getitem__(self, index: int) -> int: ...
-    @overload
-    def __getitem__(self, index: slice) -> tuple[int, ...]: ...
-    def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
-        if isinstance(index, slice):
-            return tuple(self[i] for i in range(*index.indices(self.steps)))
-        if index < 0:
-            index += self.steps
-        if not 0 <= index < self.steps:
-            raise IndexError(index)
-        return self.last if index == self.steps - 1 else self.size
-
-    def __iter__(self) -> Iterator[int]:
-        for _ in range(self.steps - 1):
-            yield self.size
-        yield self.last
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, WindowSizes):
-            return (self.size, self.steps, self.last) == (other.size, other.steps, other.last)
-        return isinstance(other, (tuple, list)) and len(other) == self.steps and tuple(self) == tuple(other)
-
-    def __hash__(self) -> int:
-        return hash((self.size, self.steps, self.last))
-
-    def __repr__(self) -> str:
-        return f"WindowSizes(size={self.size}, steps={self.steps}, last={self.last})"
-
-
-def size_counts(sizes: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    """(size, count) pairs of a window's micro-batch sizes."""
-    if isinstance(sizes, WindowSizes):
-        return sizes.counts
-    return tuple(Counter(sizes).items())
+# Predicted times closer than this fraction are ties even when the profile's timings repeated
+# more closely: their spread between separate runs of the planner is larger than within one.
+MIN_TIE_FRACTION = 0.05
 
 
 @dataclass(frozen=True)
@@ -136,34 +84,9 @@ class Candidate:
 
 @dataclass(frozen=True)
 class SearchResult:
-    best: Candidate | None  # fastest candidate within the capacity; None when nothing fits
+    best: Candidate | None  # the chosen candidate within the capacity (see choose); None when nothing fits
     frontier: tuple[Candidate, ...]  # Pareto-optimal in (peak, seconds), fastest first
     minimum: Candidate  # the lowest peak any candidate reaches
-
-
-def smallest_size_for(per_rank_batch: int, size: int) -> int:
-    """The smallest b that gives the same number of micro-batches N = ceil(B_rank / size)."""
-    steps = -(-per_rank_batch // size)
-    return -(-per_rank_batch // steps)
-
-
-def candidate_sizes(per_rank_batch: int) -> list[int]:
-    """Micro-batch sizes to search, largest first; each the smallest b for its step count N.
-
-    Up to EXACT_SEARCH_BATCH: b = ceil(B_rank / N) for every N (about 2 sqrt(B_rank) values).
-    Above: every b up to SMALL_SIZES and a geometric grid over the rest, O(log B_rank) values, with
-    N <= MAX_STEPS_PER_WINDOW.
-    """
-    if per_rank_batch <= EXACT_SEARCH_BATCH:
-        return sorted({-(-per_rank_batch // steps) for steps in range(1, per_rank_batch + 1)}, reverse=True)
-    least = max(1, -(-per_rank_batch // MAX_STEPS_PER_WINDOW))
-    wanted = set(range(least, max(least, SMALL_SIZES) + 1))
-    size = float(max(least, SMALL_SIZES))
-    while size < per_rank_batch:
-        wanted.add(int(size))
-        size *= GRID_RATIO
-    wanted.add(per_rank_batch)
-    return sorted({smallest_size_for(per_rank_batch, b) for b in wanted}, reverse=True)
 
 
 class Model:
@@ -345,6 +268,35 @@ def largest(sizes: Sequence[int]) -> int:
     return max(size for size, _ in size_counts(sizes))
 
 
+def recomputed_blocks(block_policies: Sequence[tuple[str, str]]) -> float:
+    """Blocks recomputed in backward, each weighted by the share of its forward it repeats."""
+    return sum(RECOMPUTE_FLOOR.get(policy, 1.0) for _, policy in block_policies if policy != NONE)
+
+
+def tie_key(candidate: Candidate) -> tuple[float, int, int, tuple[tuple[str, str], ...]]:
+    """The order among tied plans: fewer recomputed FLOPs, larger micro-batch, fewer steps."""
+    return (
+        recomputed_blocks(candidate.block_policies),
+        -candidate.micro_batch_size,
+        candidate.steps,
+        candidate.block_policies,
+    )
+
+
+def tie_fraction(profile: Profile) -> float:
+    """Relative difference in predicted time below which two plans are ties: 2 n, at least 5 %."""
+    return max(2 * profile.time_noise, MIN_TIE_FRACTION)
+
+
+def choose(candidates: Sequence[Candidate], *, tie: float) -> Candidate | None:
+    """The plan to use among ``candidates``: by ``tie_key`` among those within ``tie`` of the fastest."""
+    if not candidates:
+        return None
+    fastest = min(candidate.seconds_per_step for candidate in candidates)
+    tied = [c for c in candidates if c.seconds_per_step <= fastest * (1 + tie)]
+    return min(tied, key=tie_key)
+
+
 def pareto(candidates: Sequence[Candidate]) -> list[Candidate]:
     """Candidates not dominated in (peak_bytes, seconds_per_step), fastest first."""
     ordered = sorted(candidates, key=lambda c: (c.seconds_per_step, c.peak_bytes, -c.micro_batch_size))
@@ -355,6 +307,12 @@ def pareto(candidates: Sequence[Candidate]) -> list[Candidate]:
     return front
 
 
+def _rank(candidate: Candidate, prefer_large: bool) -> tuple[float, ...]:
+    """Sort key of fitting candidates, best first."""
+    fastest = (candidate.seconds_per_step, candidate.peak_bytes)
+    return (-candidate.micro_batch_size, *fastest) if prefer_large else fastest
+
+
 def search(
     profile: Profile,
     *,
@@ -362,12 +320,18 @@ def search(
     capacity_bytes: float,
     correction_bytes: int = 0,
     safety_margin: float = SAFETY_MARGIN,
+    min_micro_batch_size: int = 1,
+    even: bool = False,
+    prefer_large: bool = False,
     bytes_per_sample: int = 0,
 ) -> SearchResult:
-    """The fastest plan whose predicted peak is <= capacity_bytes, the frontier, and the minimum.
+    """The fastest plan (up to ties) whose predicted peak is <= capacity_bytes, the frontier, the minimum.
 
+    Only splits whose every micro-batch has >= ``min_micro_batch_size`` samples are searched, and with
+    ``even`` only those of equal micro-batches (micro x steps == per_rank_batch). ``prefer_large``:
+    the largest micro-batch that fits wins, then the fastest (BatchNorm normalises per micro-batch).
     ``bytes_per_sample``: the tensor bytes of one sample of the batch, a floor under the batch's
-    share of the peak (see Model.batch_bytes).
+    share of the peak beyond the profiled sizes (see Model.batch_bytes).
     """
     if isinstance(per_rank_batch, bool) or not isinstance(per_rank_batch, int) or per_rank_batch < 1:
         raise ConfigError(f"per_rank_batch must be >= 1, got {per_rank_batch}")
@@ -377,21 +341,38 @@ def search(
         safety_margin=safety_margin,
         bytes_per_sample=bytes_per_sample,
     )
-    state = _SearchState()
-    grid = candidate_sizes(per_rank_batch)
+
+    def allowed(b: int) -> bool:
+        counts = WindowSizes(per_rank_batch, b).counts
+        smallest = min(size for size, _ in counts)
+        return smallest >= min(min_micro_batch_size, per_rank_batch) and not (even and len(counts) > 1)
+
+    state = _SearchState(tie_fraction(profile))
+    grid = [b for b in candidate_sizes(per_rank_batch) if allowed(b)]
     for b in grid:
         state.add(_price_size(model, WindowSizes(per_rank_batch, b), capacity_bytes))
-    if per_rank_batch > EXACT_SEARCH_BATCH and state.best is not None:
-        _refine(model, state, grid, per_rank_batch, capacity_bytes)
-    assert state.minimum is not None  # the grid is never empty
-    return SearchResult(best=state.best, frontier=tuple(pareto(state.points)), minimum=state.minimum)
+    if per_rank_batch > EXACT_SEARCH_BATCH and state.fits and not even:
+        _refine(model, state, grid, per_rank_batch, capacity_bytes, allowed)
+    if state.minimum is None:
+        raise ConfigError(f"per_rank_batch must be >= 1, got {per_rank_batch}")
+    fits = state.fits
+    if prefer_large and fits:
+        biggest = max(candidate.micro_batch_size for candidate in fits)
+        fits = [candidate for candidate in fits if candidate.micro_batch_size == biggest]
+    best = choose(fits, tie=tie_fraction(profile))
+    return SearchResult(best=best, frontier=tuple(pareto(state.points)), minimum=state.minimum)
 
 
 class _SearchState:
-    def __init__(self) -> None:
-        self.best: Candidate | None = None
+    def __init__(self, tie: float) -> None:
+        self.tie = tie
+        self.fits: list[Candidate] = []
         self.minimum: Candidate | None = None
         self.points: list[Candidate] = []
+
+    @property
+    def best(self) -> Candidate | None:
+        return choose(self.fits, tie=self.tie)
 
     def add(self, priced_fitting: tuple[list[Candidate], list[Candidate]]) -> bool:
         """Record one size's candidates; True when some of them fit."""
@@ -400,12 +381,7 @@ class _SearchState:
         if self.minimum is None or lowest.peak_bytes < self.minimum.peak_bytes:
             self.minimum = lowest
         self.points.extend(priced)
-        for found in fitting:
-            if self.best is None or (found.seconds_per_step, found.peak_bytes) < (
-                self.best.seconds_per_step,
-                self.best.peak_bytes,
-            ):
-                self.best = found
+        self.fits.extend(fitting)
         return bool(fitting)
 
 
@@ -428,21 +404,27 @@ def _price_size(
 
 
 def _refine(
-    model: Model, state: _SearchState, grid: Sequence[int], per_rank_batch: int, capacity_bytes: float
+    model: Model,
+    state: _SearchState,
+    grid: Sequence[int],
+    per_rank_batch: int,
+    capacity_bytes: float,
+    allowed: Callable[[int], bool],
 ) -> None:
     """Bisect N between the best grid size and the next larger one: the largest b that fits there."""
-    assert state.best is not None
-    fits_size = state.best.micro_batch_size
-    larger = [b for b in grid if b > fits_size]
+    best = state.best
+    if best is None:
+        return
+    larger = [b for b in grid if b > best.micro_batch_size]
     if not larger:
         return
-    # Fitting is monotone in b; find the smallest N in (N(larger), N(fits)) whose b still fits.
+    # Fitting is monotone in b; find the smallest N in (N(larger), N(best)) whose b still fits.
     low_steps = -(-per_rank_batch // min(larger))  # too few steps: did not fit (or was not best)
-    high_steps = -(-per_rank_batch // fits_size)
+    high_steps = -(-per_rank_batch // best.micro_batch_size)
     while high_steps - low_steps > 1:
         middle = (low_steps + high_steps) // 2
         b = -(-per_rank_batch // middle)
-        if state.add(_price_size(model, WindowSizes(per_rank_batch, b), capacity_bytes)):
+        if allowed(b) and state.add(_price_size(model, WindowSizes(per_rank_batch, b), capacity_bytes)):
             high_steps = middle
         else:
             low_steps = middle

@@ -37,9 +37,10 @@ import torch
 from ..accumulate import Accumulator
 from ..batching import batch_size_of, move_batch
 from ..checkpoint import BlockSpec, checkpoint
+from ..compiled import eager_workload
 from ..errors import ConfigError, InfeasibleBudgetError, MicrobatchError, WorkloadError
 from ..memory import MemoryTracker, format_bytes, parse_bytes
-from ..oom import free_memory, is_out_of_memory
+from ..oom import attempt, free_memory
 from ..optimizer_state import optimizer_state_bytes
 from ..profile import (
     NONE,
@@ -48,9 +49,14 @@ from ..profile import (
     preserved_state,
     profile_workload,
 )
+from ..profile.stash import optimizer_instance
 from ..workload import Workload, load_workload
 from .plan import FrontierPoint, Plan, summarize_policies
-from .search import MAX_STEPS_PER_WINDOW, Candidate, Model, SearchResult, search
+from .reserve import BudgetReserve, outside_the_model, with_reserve
+from .rules import SplitRules, batchnorm_note, beats, even_batch, profile_with_rules
+from .search import Candidate, Model, SearchResult, search, tie_fraction
+from .tokens import token_budget
+from .windows import MAX_STEPS_PER_WINDOW
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +66,11 @@ DEFAULT_MAX_PROFILE_SIZE = 16
 
 @dataclass(frozen=True)
 class TrialResult:
-    peak_bytes: int  # MemoryTracker's peak, or the CUDA allocator's where that is higher
+    # On CUDA the caching allocator's peak reserved bytes (what an OOM is decided on); elsewhere
+    # MemoryTracker's peak live tensor bytes. Memory outside the allocator is added by the caller.
+    peak_bytes: int
     cuda_max_allocated_bytes: int | None
+    cuda_max_reserved_bytes: int | None = None
 
 
 def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
@@ -70,7 +79,9 @@ def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
     May raise an out-of-memory error; the model is restored either way.
     """
     model, device = workload.model, workload.device
-    with preserved_state(model):
+    # Segments cached by earlier runs would count as reserved: start from what is alive.
+    free_memory(device)
+    with preserved_state(model, optimizer=optimizer_instance(workload)):
         model.train()
         optimizer = workload.make_optimizer()
         _create_optimizer_state(model, optimizer)
@@ -85,6 +96,7 @@ def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
                     yield move_batch(batches.pop(0), device)
 
             accumulator = Accumulator(model, optimizer, steps=len(batches))
+            accumulator._warned_batchnorm = True  # the trial's cut window; the plan's note covers BatchNorm
             with MemoryTracker(device, model=model, optimizer=optimizer) as tracker:
                 for micro in accumulator.iterate(loader()):
                     loss, items = workload.loss(model, micro.batch)
@@ -98,9 +110,9 @@ def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
             for parameter in model.parameters():
                 parameter.grad = None
     measured = tracker.peak_bytes
-    if tracker.cuda_max_allocated_bytes is not None:
-        measured = max(measured, tracker.cuda_max_allocated_bytes)
-    return TrialResult(measured, tracker.cuda_max_allocated_bytes)
+    if tracker.cuda_max_reserved_bytes is not None:
+        measured = max(measured, tracker.cuda_max_reserved_bytes)
+    return TrialResult(measured, tracker.cuda_max_allocated_bytes, tracker.cuda_max_reserved_bytes)
 
 
 def trial_sizes(micro_batch_sizes: Sequence[int]) -> list[int]:
@@ -139,7 +151,9 @@ def _static_message(profile: Profile, budget_bytes: int) -> str | None:
     )
 
 
-def _refuse_budget_below_weights(workload: Workload, budget_bytes: int) -> None:
+def _refuse_budget_below_weights(
+    workload: Workload, budget_bytes: int, reserve: BudgetReserve | None = None
+) -> None:
     """Fail before profiling when parameters, gradients and optimizer state alone exceed the budget.
 
     The optimizer state is counted without allocating it (optimizer_state.optimizer_state_bytes:
@@ -160,7 +174,7 @@ def _refuse_budget_below_weights(workload: Workload, budget_bytes: int) -> None:
     total = sum(parts.values())
     if total > budget_bytes:
         terms = " + ".join(f"{name} {format_bytes(value)}" for name, value in parts.items() if value)
-        raise InfeasibleBudgetError(
+        error = InfeasibleBudgetError(
             f"{terms} = {format_bytes(total)} already exceed the budget memory={format_bytes(budget_bytes)}, "
             "before any activation; no micro-batch size or checkpointing can fit. Raise memory to more than "
             f"{format_bytes(total)} (at least; activations come on top), or shrink the model or its "
@@ -169,6 +183,7 @@ def _refuse_budget_below_weights(workload: Workload, budget_bytes: int) -> None:
             parts=parts,
             minimum_is_lower_bound=True,
         )
+        raise with_reserve(error, reserve) if reserve is not None else error
 
 
 def _check_make_batch(workload: Workload, per_rank_batch: int) -> int:
@@ -233,13 +248,14 @@ def infeasible_error(profile: Profile, result: SearchResult, budget_bytes: int) 
     return InfeasibleBudgetError(message, minimum_bytes=minimum.peak_bytes, parts=dict(minimum.parts))
 
 
-def _frontier(result: SearchResult) -> tuple[FrontierPoint, ...]:
+def _frontier(result: SearchResult, reserve_bytes: int = 0) -> tuple[FrontierPoint, ...]:
+    """The search's frontier, its peaks stated like the budget (the reserve outside the model added)."""
     return tuple(
         FrontierPoint(
             micro_batch_size=c.micro_batch_size,
             steps=c.steps,
             block_policies=c.block_policies,
-            predicted_peak_bytes=c.peak_bytes,
+            predicted_peak_bytes=c.peak_bytes + reserve_bytes,
             seconds_per_step=c.seconds_per_step,
         )
         for c in result.frontier
@@ -248,16 +264,7 @@ def _frontier(result: SearchResult) -> tuple[FrontierPoint, ...]:
 
 def _attempt(workload: Workload, candidate: Candidate) -> TrialResult | None:
     """The trial's result; None when it ran out of memory (memory freed)."""
-    out_of_memory = False
-    try:
-        return run_trial(workload, candidate)
-    except RuntimeError as error:
-        if not is_out_of_memory(error):
-            raise
-        out_of_memory = True
-    if out_of_memory:  # outside the handler, so the failed window's tensors can be freed
-        free_memory(workload.device)
-    return None
+    return attempt(lambda: run_trial(workload, candidate), workload.device)
 
 
 def _faster_without_margin(
@@ -266,9 +273,11 @@ def _faster_without_margin(
     capacity: float,
     correction_bytes: int,
     safe: Candidate | None,
+    rules: SplitRules | None = None,
     bytes_per_sample: int = 0,
 ) -> Candidate | None:
     """A plan faster than ``safe`` that fits the capacity without the safety margin (margin shown)."""
+    rules = rules or SplitRules()
     bold = search(
         profile,
         per_rank_batch=per_rank_batch,
@@ -276,11 +285,85 @@ def _faster_without_margin(
         correction_bytes=correction_bytes,
         safety_margin=0.0,
         bytes_per_sample=bytes_per_sample,
+        **rules.search_options(),
     ).best
-    if bold is None or (safe is not None and bold.seconds_per_step >= safe.seconds_per_step):
-        return None
+    tie = tie_fraction(profile)
+    if bold is None or (safe is not None and not beats(bold, safe, prefer_large=rules.prefer_large, tie=tie)):
+        return None  # not better beyond the timings' noise: the safe plan it is
     model = Model(profile, correction_bytes=correction_bytes, bytes_per_sample=bytes_per_sample)
     return model.evaluate(bold.micro_batch_sizes, dict(bold.block_policies))
+
+
+def _extend_profile(
+    workload: Workload,
+    profile: Profile,
+    *,
+    per_rank_batch: int,
+    capacity_bytes: int,
+    blocks: BlockSpec,
+    policies: Sequence[str] | None,
+    progress: ProgressFn | None,
+    rules: SplitRules | None = None,
+) -> Profile:
+    """The profile again, up to the micro-batch the search chooses, when that is beyond the sizes measured.
+
+    Costs fitted on small micro-batches do not extrapolate to large ones (kernels leave the
+    launch-bound regime, attention switches backends), so a choice beyond the profiled sizes is
+    measured before it is trusted. Only a size the budget allows is profiled: the search chose it.
+    """
+    rules = rules or SplitRules()
+    options = rules.search_options()
+    best = search(profile, per_rank_batch=per_rank_batch, capacity_bytes=capacity_bytes, **options).best
+    measured_up_to = max(profile.micro_batch_sizes, default=0)
+    if best is None or best.micro_batch_size <= measured_up_to:
+        return profile
+    logger.info(
+        "the search chose micro-batch %d, beyond the profiled sizes (up to %d): profiling up to it",
+        best.micro_batch_size,
+        measured_up_to,
+    )
+    size = best.micro_batch_size  # sizes no smaller than the rules allow
+    options = {"blocks": blocks, "policies": policies, "progress": progress}
+    return profile_with_rules(profile_workload, workload, rules, size, size, **options)
+
+
+def _key(candidate: Candidate) -> tuple[object, ...]:
+    return (candidate.micro_batch_size, candidate.steps, candidate.block_policies)
+
+
+def _last_resort(
+    chosen: Candidate | None,
+    out_of_trials: bool,
+    result: SearchResult,
+    budget_bytes: int,
+    tried: set[tuple[object, ...]],
+    notes: list[str],
+) -> Candidate | None:
+    """The plan with the least predicted peak (smallest micro-batch, most checkpointing), if untried.
+
+    After trials ran out of memory, the bisection of the predicted peak may rule out plans that fit
+    (the model mispredicts what a device can hold): the smallest plan is tried before giving up.
+    """
+    if chosen is not None and not out_of_trials:
+        return chosen
+    smallest = result.minimum
+    if _key(smallest) in tried or smallest.peak_bytes > budget_bytes:
+        return None
+    notes.append(f"trying the smallest plan after {len(tried)} trial(s), some out of memory")
+    return smallest
+
+
+def _refuse_after_max_trials(
+    chosen: Candidate, result: SearchResult, trials: int, max_trials: int, budget_bytes: int, notes: list[str]
+) -> None:
+    """After ``max_trials`` trials only the smallest plan (the last resort) may still be tried."""
+    if trials >= max_trials and _key(chosen) != _key(result.minimum):
+        raise InfeasibleBudgetError(
+            f"no plan proved to fit memory={format_bytes(budget_bytes)} in {max_trials} trials: "
+            + "; ".join(notes[-trials:]),
+            minimum_bytes=result.minimum.peak_bytes,
+            parts=dict(result.minimum.parts),
+        )
 
 
 def _no_plan(
@@ -307,25 +390,6 @@ def _no_plan(
     )
 
 
-def _key(candidate: Candidate) -> tuple[object, ...]:
-    return (candidate.micro_batch_size, candidate.steps, candidate.block_policies)
-
-
-def _last_resort(
-    result: SearchResult, budget_bytes: int, tried: set[tuple[object, ...]], notes: list[str]
-) -> Candidate | None:
-    """The plan with the least predicted peak (smallest micro-batch, most checkpointing), if untried.
-
-    After trials ran out of memory, the bisection of the predicted peak may rule out plans that fit
-    (the model mispredicts what a device can hold): the smallest plan is tried before giving up.
-    """
-    smallest = result.minimum
-    if _key(smallest) in tried or smallest.peak_bytes > budget_bytes:
-        return None
-    notes.append(f"trying the smallest plan after {len(tried)} trial(s), some out of memory")
-    return smallest
-
-
 def _validate(batch: int, world_size: int) -> int:
     for name, value in (("batch", batch), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -349,8 +413,12 @@ def plan(
     profile: Profile | None = None,
     trial: bool = True,
     max_trials: int = DEFAULT_MAX_TRIALS,
-    max_profile_micro_batch_size: int = DEFAULT_MAX_PROFILE_SIZE,
+    max_profile_micro_batch_size: int | None = None,
     progress: ProgressFn | None = None,
+    gradient_as_bucket_view: bool = False,
+    min_micro_batch_size: int = 1,
+    even: bool = False,
+    prefer_large_micro_batches: bool = False,
 ) -> Plan:
     """The fastest plan for an effective batch of ``batch`` samples within ``memory`` bytes of peak.
 
@@ -358,24 +426,65 @@ def plan(
     ``blocks`` / ``policies``: which blocks may be checkpointed and how (default: "auto", and none,
     full, selective, plus offload on accelerators). ``profile``: reuse one from ``profile_workload``.
     ``trial``: prove the plan in one real window (recommended; False trusts the model).
+    ``max_profile_micro_batch_size``: the largest size profiled; by default 16, extended to the
+    micro-batch the search chooses when that is larger (profiled before it is trusted).
+    ``gradient_as_bucket_view``: with world_size > 1 the plan counts DDP's gradient buckets, a
+    second copy of the gradients, unless DDP will run with gradient_as_bucket_view=True.
+    The budget: peak live tensor bytes on the CPU; on CUDA peak reserved bytes of the caching
+    allocator plus what is measured outside it (see planner.reserve).
+    ``min_micro_batch_size``, ``even``, ``prefer_large_micro_batches``: how the batch may be split
+    (planner/rules.py). A torch.compile'd model is profiled eagerly (the module inside it).
+    ``progress``: called as ``progress(what, done, total)`` while profiling runs (what is running,
+    runs done, runs in all) and once per trial window (``total`` 1); the CLI draws it as a line.
+    Without it, the planner still logs one INFO line per phase (profile, each trial, the choice)
+    to ``logging.getLogger("microbatch.planner.trial")``.
     Raises InfeasibleBudgetError when no plan fits; never lets an out-of-memory error escape.
     """
     began = time.perf_counter()
     if isinstance(workload, str):
         workload = load_workload(workload)
+    workload, compile_notes = eager_workload(workload)
     per_rank_batch = _validate(batch, world_size)
+    rules = SplitRules(min_micro_batch_size, even, prefer_large_micro_batches)
+    rules.check_batch(per_rank_batch, world_size)
     budget_bytes = parse_bytes(memory, device=workload.device, name="memory")
-    _refuse_budget_below_weights(workload, budget_bytes)
+    reserve = outside_the_model(
+        workload,
+        budget_bytes,
+        memory=memory,
+        world_size=world_size,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+    )
+    _refuse_budget_below_weights(workload, budget_bytes - reserve.total_bytes, reserve)
     bytes_per_sample = _check_make_batch(workload, per_rank_batch)
+    extend = profile is None and max_profile_micro_batch_size is None
     if profile is None:
-        profile = profile_workload(
+        options = {"blocks": blocks, "policies": policies, "progress": progress}
+        largest = max_profile_micro_batch_size or DEFAULT_MAX_PROFILE_SIZE
+        profile = profile_with_rules(profile_workload, workload, rules, per_rank_batch, largest, **options)
+        logger.info(
+            "planning %s: profiled %d blocks at micro-batch sizes %s in %.1f s",
+            workload.name,
+            len(profile.blocks),
+            list(profile.micro_batch_sizes),
+            profile.profile_seconds,
+        )
+    if extend:
+        profile = _extend_profile(
             workload,
-            max_micro_batch_size=min(per_rank_batch, max_profile_micro_batch_size),
+            profile,
+            per_rank_batch=per_rank_batch,
+            capacity_bytes=budget_bytes - reserve.total_bytes,
             blocks=blocks,
             policies=policies,
             progress=progress,
+            rules=rules,
         )
-    notes = list(profile.notes)
+    # What the profiled model may use: the budget less what lives outside it (see BudgetReserve).
+    model_budget_bytes = budget_bytes - reserve.total_bytes
+    per_rank_batch, even_notes = even_batch(profile, per_rank_batch, model_budget_bytes, rules, world_size)
+    batch = per_rank_batch * world_size
+    notes = [*profile.notes, *reserve.notes, *compile_notes, *even_notes]
     correction_bytes = 0
     # After an out-of-memory error, plans predicted (before correction) at or above this are out.
     oom_limit_bytes = math.inf
@@ -385,13 +494,14 @@ def plan(
     out_of_memory = False  # a trial ran out of memory
     tried: set[tuple[object, ...]] = set()
     while True:
-        capacity = min(budget_bytes, oom_limit_bytes - 1 + correction_bytes)
+        capacity = min(model_budget_bytes, oom_limit_bytes - 1 + correction_bytes)
         result = search(
             profile,
             per_rank_batch=per_rank_batch,
             capacity_bytes=capacity,
             correction_bytes=correction_bytes,
             bytes_per_sample=bytes_per_sample,
+            **rules.search_options(),
         )
         chosen, margin_free = result.best, False
         if margin_free_pending:
@@ -399,30 +509,26 @@ def plan(
             # trial first: if the measured peak fits, the measurement is the proof.
             margin_free_pending = False
             faster = _faster_without_margin(
-                profile, per_rank_batch, capacity, correction_bytes, chosen, bytes_per_sample
+                profile, per_rank_batch, capacity, correction_bytes, chosen, rules, bytes_per_sample
             )
             if faster is not None:
                 chosen, margin_free = faster, True
-        if (chosen is None or trials >= max_trials) and out_of_memory:
-            # Before giving up after out-of-memory trials: the smallest plan, once.
-            chosen = _last_resort(result, budget_bytes, tried, notes)
+        if out_of_memory:  # before giving up after out-of-memory trials: the smallest plan, once
+            chosen = _last_resort(chosen, trials >= max_trials, result, model_budget_bytes, tried, notes)
         if chosen is None:
-            raise _no_plan(profile, result, budget_bytes, trials, notes, per_rank_batch)
+            raise with_reserve(
+                _no_plan(profile, result, model_budget_bytes, trials, notes, per_rank_batch), reserve
+            )
         if not trial:
             break
-        if trials >= max_trials and _key(chosen) not in (_key(result.minimum),):
-            raise InfeasibleBudgetError(
-                f"no plan proved to fit memory={format_bytes(budget_bytes)} in {max_trials} trials: "
-                + "; ".join(notes[-trials:]),
-                minimum_bytes=result.minimum.peak_bytes,
-                parts=dict(result.minimum.parts),
-            )
+        _refuse_after_max_trials(chosen, result, trials, max_trials, budget_bytes, notes)
         trials += 1
         tried.add(_key(chosen))
         what = (
             f"micro-batch {chosen.micro_batch_size} x {chosen.steps} "
             f"with {summarize_policies(chosen.block_policies)}"
         )
+        logger.info("planning %s: trial %d: %s", workload.name, trials, what)
         if progress is not None:
             progress(f"trial {trials}: {what}", 0, 1)
         measured = _attempt(workload, chosen)
@@ -433,7 +539,7 @@ def plan(
             oom_limit_bytes = min(oom_limit_bytes, failed - max(1, (failed - floor) // 2))
             out_of_memory = True
             notes.append(f"trial {trials}: {what} ran out of memory; re-planned below it")
-        elif measured.peak_bytes > budget_bytes:
+        elif measured.peak_bytes > model_budget_bytes:
             error_bytes = measured.peak_bytes - chosen.peak_bytes
             if error_bytes > 0 or not margin_free:  # a margin-free try that the margin covers needs none
                 correction_bytes += max(1, error_bytes)
@@ -450,6 +556,15 @@ def plan(
                 )
             break
         logger.info(notes[-1])
+    notes += [note for note in (batchnorm_note(workload.model, chosen, rules),) if note]
+    logger.info(
+        "planning %s: chose micro-batch %d x %d steps with %s in %.1f s",
+        workload.name,
+        chosen.micro_batch_size,
+        chosen.steps,
+        summarize_policies(chosen.block_policies),
+        time.perf_counter() - began,
+    )
     return Plan(
         workload=workload.name,
         batch_size=batch,
@@ -459,14 +574,17 @@ def plan(
         micro_batch_sizes=tuple(chosen.micro_batch_sizes),
         block_policies=chosen.block_policies,
         budget_bytes=budget_bytes,
-        predicted_peak_bytes=chosen.peak_bytes,
-        measured_peak_bytes=measured.peak_bytes if measured is not None else None,
+        predicted_peak_bytes=chosen.peak_bytes + reserve.total_bytes,
+        measured_peak_bytes=measured.peak_bytes + reserve.total_bytes if measured is not None else None,
         predicted_seconds_per_step=chosen.seconds_per_step,
-        peak_parts=chosen.parts,
-        frontier=_frontier(result),
-        minimum_bytes=result.minimum.peak_bytes,
+        peak_parts=chosen.parts + reserve.parts,
+        frontier=_frontier(result, reserve.total_bytes),
+        minimum_bytes=result.minimum.peak_bytes + reserve.total_bytes,
         cuda_max_allocated_bytes=measured.cuda_max_allocated_bytes if measured is not None else None,
         trials=trials,
         planning_seconds=time.perf_counter() - began,
         notes=tuple(notes),
+        max_tokens=token_budget(workload, chosen.micro_batch_size),
+        parameters=sum(parameter.numel() for parameter in workload.model.parameters()),
+        device=workload.device.type,
     )

@@ -1,0 +1,173 @@
+"""``fit_trainer``: a plan for a transformers Trainer, applied to it.
+
+The Trainer already accumulates (``gradient_accumulation_steps``) and counts tokens across a window
+for models that take ``num_items_in_batch``; what it lacks is the choice. ``fit_trainer`` makes it:
+
+1. profile ``trainer.model`` with batches from the trainer's own train dataset and data collator,
+   its optimizer settings and the loss its ``compute_loss`` computes;
+2. plan with ``even=True``: the Trainer cannot run a short last micro-batch, so micro-batch x steps x
+   ranks == batch exactly (or the nearest batch that splits evenly, with a warning naming it);
+3. apply it: microbatch's per-block checkpointing on the model (the Trainer's own gradient
+   checkpointing off, so no block is recomputed twice; the cache off, as in any checkpointed
+   training), ``per_device_train_batch_size`` = micro-batch, ``gradient_accumulation_steps`` = steps.
+
+The Trainer's effective batch is then ``per_device_train_batch_size * gradient_accumulation_steps *
+world_size`` == ``plan.batch_size``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..memory import format_bytes, parse_bytes
+from ..planner import Plan, plan
+from ..workload import Workload
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["fit_trainer", "trainer_workload"]
+
+# Set aside for what the Trainer holds beyond the planner's trial window (gradient clipping, loss
+# bookkeeping, accelerate's wrappers): measured 0.1 - 0.4 % of the peak above the trial's on a tiny
+# Llama (tests/test_hf_trainer.py), so 1 % of the budget.
+TRAINER_ALLOWANCE = 0.01
+
+
+def _examples(trainer: Any) -> Callable[[int], Any]:
+    """``make_batch(b)``: the next b examples of the train dataset (cycling), through the collator."""
+    dataset = getattr(trainer, "train_dataset", None)
+    if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+        raise ConfigError(
+            "fit_trainer needs trainer.train_dataset with __len__ and __getitem__ (a map-style dataset); "
+            "pass train_dataset= to the Trainer"
+        )
+    if len(dataset) == 0:
+        raise ConfigError("fit_trainer: trainer.train_dataset is empty")
+    collate = trainer.data_collator
+    position = 0
+
+    def make_batch(size: int) -> Any:
+        nonlocal position
+        rows = [dataset[(position + i) % len(dataset)] for i in range(size)]
+        position = (position + size) % len(dataset)
+        return collate(rows)
+
+    return make_batch
+
+
+def trainer_workload(trainer: Any) -> Workload:
+    """A Workload from a Trainer: its model, dataset + collator, ``compute_loss`` and AdamW settings.
+
+    Items are rows: the profile measures memory and time, for which the weighting does not matter.
+    """
+    args = trainer.args
+    model: nn.Module = trainer.model
+
+    def loss(module: nn.Module, batch: Any) -> tuple[torch.Tensor, int]:
+        inputs = dict(batch)
+        if hasattr(getattr(module, "config", None), "use_cache"):
+            inputs["use_cache"] = False  # a training forward reads no cache; fit_trainer turns it off too
+        value = trainer.compute_loss(module, inputs)
+        rows = next(v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor))
+        return value, int(rows)
+
+    def optimizer(module: nn.Module) -> torch.optim.Optimizer:
+        # The optimizer the Trainer will build from its arguments (class and settings).
+        optimizer_class, settings = type(trainer).get_optimizer_cls_and_kwargs(args, module)
+        return optimizer_class([p for p in module.parameters() if p.requires_grad], **settings)  # type: ignore[no-any-return]
+
+    name = type(model).__name__
+    return Workload(model=model, make_batch=_examples(trainer), loss=loss, optimizer=optimizer, name=name)
+
+
+def _turn_off_hf_checkpointing(trainer: Any) -> None:
+    model, args = trainer.model, trainer.args
+    # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old name warns)
+    flag = (
+        "activation_checkpointing"
+        if hasattr(type(args), "activation_checkpointing")
+        else "gradient_checkpointing"
+    )
+    if getattr(args, flag, False):
+        setattr(args, flag, False)  # the Trainer would enable it again at train()
+        logger.warning(
+            "fit_trainer: TrainingArguments.%s turned off; microbatch checkpoints the blocks the plan "
+            "names instead (both would recompute every block twice)",
+            flag,
+        )
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", False):
+        config.use_cache = False  # a cache built in a training forward is never read
+        logger.info("fit_trainer: model.config.use_cache set to False for training")
+
+
+def _input_bytes(batch: Any) -> int:
+    """Bytes of the tensors in a collated batch (a dict, list or tensor)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.numel() * batch.element_size()
+    values = (
+        batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else []
+    )
+    return sum(_input_bytes(value) for value in values)
+
+
+def fit_trainer(
+    trainer: Any,
+    *,
+    batch: int,
+    memory: str | int | float,
+    **plan_options: Any,
+) -> Plan:
+    """Plan ``batch`` samples per optimizer step in ``memory`` for ``trainer`` and apply the plan.
+
+    Sets ``trainer.args.per_device_train_batch_size`` and ``gradient_accumulation_steps``, checkpoints
+    the planned blocks of ``trainer.model``, and returns the plan. ``plan_options`` go to
+    ``microbatch.plan`` (blocks, policies, min_micro_batch_size, trial, ...); ``even`` is always True.
+    Call it before ``trainer.train()``.
+    """
+    if plan_options.pop("even", True) is not True:
+        raise ConfigError("fit_trainer plans with even=True: the Trainer cannot run a short last micro-batch")
+    world_size = int(getattr(trainer.args, "world_size", 1))
+    _turn_off_hf_checkpointing(trainer)  # the model's own flag: mb.checkpoint turns it off
+    workload = trainer_workload(trainer)
+    budget_bytes = parse_bytes(memory, device=workload.device, name="memory")
+    # The Trainer fetches a window's micro-batches at once (to count its items): all but one of them
+    # are live beyond what the planner's trial holds.
+    window_inputs_bytes = _input_bytes(workload.make_batch(1)) * (batch // world_size)
+    reserve_bytes = window_inputs_bytes + math.ceil(TRAINER_ALLOWANCE * budget_bytes)
+    result = plan(
+        workload,
+        batch=batch,
+        memory=budget_bytes - reserve_bytes,
+        world_size=world_size,
+        even=True,
+        **plan_options,
+    )
+    note = (
+        f"planned within {format_bytes(budget_bytes - reserve_bytes)}: the Trainer holds a window's inputs "
+        f"at once ({format_bytes(window_inputs_bytes)}) and keeps its own bookkeeping "
+        f"({TRAINER_ALLOWANCE:.0%} of the budget set aside)"
+    )
+    result = dataclasses.replace(result, budget_bytes=budget_bytes, notes=(*result.notes, note))
+    result.checkpoint(trainer.model)
+    trainer.args.per_device_train_batch_size = result.micro_batch_size
+    trainer.args.gradient_accumulation_steps = result.steps
+    trainer._train_batch_size = trainer.args.train_batch_size  # the Trainer caches it at __init__
+    logger.info(
+        "fit_trainer: per_device_train_batch_size=%d, gradient_accumulation_steps=%d, world_size=%d "
+        "(batch %d); checkpointed %d block(s)",
+        result.micro_batch_size,
+        result.steps,
+        world_size,
+        result.batch_size,
+        len(result.checkpointed_blocks),
+    )
+    return result
