@@ -47,8 +47,10 @@ import results  # benchmarks/results.py
 ROOT = Path(__file__).resolve().parent.parent
 SECTION_TITLE = "Faults"
 OUTCOMES = ("ok", "clear error", "traceback", "hang", "silent wrong", "data lost")
-# A tiny training run: seconds of compute; the budget makes the fixed rule accumulate 3 micro-batches.
-TINY = ["--model", "gpt-nano", "--batch", "8", "--memory", "1600KiB", "--planner", "fixed", "--no-progress"]
+# A tiny training run: seconds of compute, 3 micro-batches per step (3 + 3 + 2), no planning.
+TINY = ["--model", "gpt-nano", "--batch", "8", "--micro-batch", "3", "--no-progress"]
+# The same with the planner (a budget under which it accumulates).
+TINY_PLANNED = ["--model", "gpt-nano", "--batch", "8", "--memory", "1600KiB", "--no-progress"]
 TRACEBACK = "Traceback (most recent call last)"
 
 
@@ -411,8 +413,8 @@ def command_line_cases(work: str) -> list[Case]:
     return cases
 
 
-def train(out: str, *extra: str, timeout: float = 180, **options: Any) -> Ran:
-    return cli("train", *TINY, "--out", out, *extra, timeout=timeout, **options)
+def train(out: str, *extra: str, timeout: float = 180, flags: Sequence[str] = TINY, **options: Any) -> Ran:
+    return cli("train", *flags, "--out", out, *extra, timeout=timeout, **options)
 
 
 def summary_of(out: str) -> dict[str, Any]:
@@ -452,8 +454,10 @@ def training_cases(work: str) -> list[Case]:
     add("--steps 5 on a finished 6-step run", "clear error", judged(ran, ok=lambda r: False), ran)
     ran = train(os.path.join(work, "lr"), "--steps", "3", "--lr", "inf")
     add("--lr inf", "clear error", judged(ran, ok=lambda r: False), ran)
-    ran = train(done, "--resume", "--steps", "7", "--memory", "1200KiB")
-    replanned = summary_of(done).get("plan", {}).get("budget_bytes") == 1200 * 1024
+    planned = os.path.join(work, "planned")
+    train(planned, "--steps", "2", "--checkpoint-interval", "1", flags=TINY_PLANNED)
+    ran = train(planned, "--resume", "--steps", "3", "--memory", "1200KiB", flags=TINY_PLANNED)
+    replanned = summary_of(planned).get("plan", {}).get("budget_bytes") == 1200 * 1024
     add(
         "--resume --memory X", "re-planned or refused", judged(ran, ok=lambda r: r.rc == 0 and replanned), ran
     )
@@ -488,8 +492,7 @@ def torchrun(*args: str) -> list[str]:
 def torchrun_cases(work: str) -> list[Case]:
     """Two gloo ranks: no false warnings from the planner; Ctrl-C saves and exits 130 without a traceback."""
     out = os.path.join(work, "ddp")
-    tiny = [arg for arg in TINY if arg not in ("--planner", "fixed")]
-    ran = run(torchrun("train", *tiny, "--steps", "2", "--out", out), timeout=300)
+    ran = run(torchrun("train", *TINY_PLANNED, "--steps", "2", "--out", out), timeout=300)
     false = ran.err.count("not wrapped") + ran.err.count("neither DistributedDataParallel")
     verdict = judged(ran, ok=lambda r: r.rc == 0 and false == 0)
     if verdict[0] == "silent wrong" and ran.rc == 0:
@@ -604,7 +607,7 @@ def forward(self, *args, **kwargs):
     return original(self, *args, **kwargs)
 gpt.GPT.forward = forward
 try:
-    summary = train(TrainConfig(model="gpt-nano", batch=8, memory="1600KiB", planner="fixed", steps={steps},
+    summary = train(TrainConfig(model="gpt-nano", batch=8, micro_batch=3, steps={steps},
                                 out={out!r}, checkpoint_interval=1))
     print("{done_outcome}|finished " + str(summary.steps_done) + " steps")
 except Exception as error:
