@@ -88,6 +88,11 @@ class Plan:
     trials: int = 0
     planning_seconds: float = 0.0
     notes: tuple[str, ...] = ()
+    simulated: bool = False  # predicted under fake tensors for device_name; no trial ran
+    device_name: str = ""
+    shard: str = "none"  # data parallelism across world_size ranks: none, ddp or fsdp
+    rank_parts: tuple[tuple[str, int], ...] = ()  # one rank's peak by part, data-parallel extras named
+    estimates: tuple[tuple[str, int], ...] = ()  # microbatch's figures beside accelerate's and the formula
 
     @property
     def policies(self) -> dict[str, str]:
@@ -156,6 +161,11 @@ class Plan:
             "trials": self.trials,
             "planning_seconds": self.planning_seconds,
             "notes": list(self.notes),
+            "simulated": self.simulated,
+            "device_name": self.device_name,
+            "shard": self.shard,
+            "rank_parts": dict(self.rank_parts),
+            "estimates": dict(self.estimates),
         }
 
     def __str__(self) -> str:
@@ -180,6 +190,7 @@ class Plan:
             f"  {'block':<28} policy",
         ]
         lines.extend(f"  {name:<28} {policy}" for name, policy in self.block_policies)
+        lines.extend(_report_lines(self))
         lines += ["", "Frontier (no alternative is both faster and smaller; * = chosen):"]
         lines.append(f"    {'micro':>6} {'steps':>6}  {'policies':<28} {'peak':>10} {'s/step':>9}")
         for point in self.frontier:
@@ -194,3 +205,17 @@ class Plan:
             )
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+
+def _report_lines(plan: Plan) -> list[str]:
+    """A simulated or sharded plan's per-rank breakdown and the estimates beside it."""
+    lines: list[str] = []
+    if plan.simulated or plan.shard != "none":
+        what = "simulated" if plan.simulated else "profiled"
+        where = f"{what} on {plan.device_name}, shard {plan.shard}, {plan.world_size} ranks"
+        lines += ["", f"Per rank ({where}):"]
+        lines.extend(f"  {name:<52} {format_bytes(value):>10}" for name, value in plan.rank_parts if value)
+    if plan.estimates:
+        lines += ["", f"Beside other estimates (micro-batch {plan.micro_batch_size}, one rank, unsharded):"]
+        lines.extend(f"  {name:<52} {format_bytes(value):>10}" for name, value in plan.estimates)
+    return lines

@@ -31,6 +31,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ from ..accumulate import Accumulator
 from ..batching import move_batch
 from ..checkpoint import BlockSpec, checkpoint
 from ..errors import ConfigError, InfeasibleBudgetError
-from ..memory import MemoryTracker, format_bytes, parse_bytes
+from ..memory import MemoryTracker, format_bytes
 from ..oom import free_memory, is_out_of_memory
 from ..profile import (
     NONE,
@@ -49,7 +50,9 @@ from ..profile import (
 )
 from ..workload import Workload, load_workload
 from .plan import FrontierPoint, Plan, summarize_policies
+from .ranks import shard_profile
 from .search import Candidate, Model, SearchResult, search
+from .simulated import finish, profile_for, resolve_target, target_budget
 
 logger = logging.getLogger(__name__)
 
@@ -138,14 +141,16 @@ def _static_message(profile: Profile, budget_bytes: int) -> str | None:
     )
 
 
-def _refuse_budget_below_weights(workload: Workload, budget_bytes: int) -> None:
+def _refuse_budget_below_weights(workload: Workload, budget_bytes: int, *, shards: int = 1) -> None:
     """Fail before profiling when parameters and their gradients alone exceed the budget.
 
     This lower bound needs no measurement; the full static count (optimizer state included) comes
-    from the profile, and infeasible_error reports it.
+    from the profile, and infeasible_error reports it. ``shards``: FSDP ranks sharing them.
     """
-    parameter_bytes = sum(p.numel() * p.element_size() for p in workload.model.parameters())
-    gradient_bytes = sum(p.numel() * p.element_size() for p in workload.model.parameters() if p.requires_grad)
+    parameter_bytes = sum(p.numel() * p.element_size() for p in workload.model.parameters()) // shards
+    gradient_bytes = (
+        sum(p.numel() * p.element_size() for p in workload.model.parameters() if p.requires_grad) // shards
+    )
     total = parameter_bytes + gradient_bytes
     if total > budget_bytes:
         raise InfeasibleBudgetError(
@@ -257,6 +262,9 @@ def plan(
     max_trials: int = DEFAULT_MAX_TRIALS,
     max_profile_micro_batch_size: int = DEFAULT_MAX_PROFILE_SIZE,
     progress: ProgressFn | None = None,
+    device: Any = None,
+    simulate: bool = False,
+    shard: str = "none",
 ) -> Plan:
     """The fastest plan for an effective batch of ``batch`` samples within ``memory`` bytes of peak.
 
@@ -264,22 +272,30 @@ def plan(
     ``blocks`` / ``policies``: which blocks may be checkpointed and how (default: "auto", and none,
     full, selective, plus offload on accelerators). ``profile``: reuse one from ``profile_workload``.
     ``trial``: prove the plan in one real window (recommended; False trusts the model).
+    ``device``: a torch device (profile there for real) or a DeviceSpec / preset name (simulate);
+    ``simulate``: predict under fake tensors, no kernel run and no trial (see planner/simulated.py).
+    ``shard``: none, ddp or fsdp across ``world_size`` ranks (per-rank memory, see planner/ranks.py).
     Raises InfeasibleBudgetError when no plan fits; never lets an out-of-memory error escape.
     """
     began = time.perf_counter()
     if isinstance(workload, str):
         workload = load_workload(workload)
     per_rank_batch = _validate(batch, world_size)
-    budget_bytes = parse_bytes(memory, device=workload.device, name="memory")
-    _refuse_budget_below_weights(workload, budget_bytes)
+    spec = resolve_target(workload, device, simulate)
+    budget_bytes = target_budget(memory, spec, workload)
+    _refuse_budget_below_weights(workload, budget_bytes, shards=world_size if shard == "fsdp" else 1)
     if profile is None:
-        profile = profile_workload(
+        profile = profile_for(
             workload,
             max_micro_batch_size=min(per_rank_batch, max_profile_micro_batch_size),
             blocks=blocks,
             policies=policies,
             progress=progress,
+            spec=spec,
+            real=profile_workload,
         )
+    profile, extras = shard_profile(profile, workload.model, shard=shard, world_size=world_size, spec=spec)
+    trial = trial and spec is None
     notes = list(profile.notes)
     correction_bytes = 0
     # After an out-of-memory error, plans predicted (before correction) at or above this are out.
@@ -342,7 +358,7 @@ def plan(
                 )
             break
         logger.info(notes[-1])
-    return Plan(
+    planned = Plan(
         workload=workload.name,
         batch_size=batch,
         world_size=world_size,
@@ -362,3 +378,4 @@ def plan(
         planning_seconds=time.perf_counter() - began,
         notes=tuple(notes),
     )
+    return finish(planned, workload=workload, profile=profile, spec=spec, shard=shard, extras=extras)
