@@ -12,6 +12,7 @@ from . import distributed, schedules
 from .accumulate import Accumulator, Micro, WindowStats
 from .batchnorm import convert_batchnorm_to_groupnorm, corrected_momentum
 from .checkpoint import CheckpointHandle, checkpoint, find_blocks
+from .devices import DeviceSpec, devices
 from .errors import MicrobatchError
 from .memory import MemoryTracker, format_bytes, parse_bytes
 from .planner import FrontierPoint, Plan, plan
@@ -22,6 +23,7 @@ from .workload import Workload, load_workload
 __all__ = [
     "Accumulator",
     "CheckpointHandle",
+    "DeviceSpec",
     "FrontierPoint",
     "MemoryTracker",
     "Micro",
@@ -35,6 +37,7 @@ __all__ = [
     "checkpoint",
     "convert_batchnorm_to_groupnorm",
     "corrected_momentum",
+    "devices",
     "distributed",
     "find_blocks",
     "format_bytes",

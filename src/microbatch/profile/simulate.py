@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map
 
@@ -81,6 +82,29 @@ class _FakeScalars(TorchDispatchMode):
                 return max(1, tensor.numel())
             return 1.0
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _fused_dropout() -> Iterator[None]:
+    """``F.dropout`` as CUDA runs it: the fused kernel, which keeps a 1-byte boolean mask.
+
+    On the CPU, which the fake tensors claim to be on, ``F.dropout`` multiplies by a mask in the
+    input's dtype and saves that (2 bytes per element in 16-bit). ``torch.native_dropout`` is the
+    kernel CUDA's dropout dispatches to (``is_fused_kernel_acceptable``). The function is swapped
+    in ``torch.nn.functional`` for the ``with`` block (a checkpoint's recompute sees it too).
+    """
+    original = F.dropout
+
+    def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
+        if training and 0 < p < 1 and not inplace:
+            return torch.native_dropout(input, p, True)[0]
+        return original(input, p, training, inplace)
+
+    F.dropout = dropout
+    try:
+        yield
+    finally:
+        F.dropout = original
 
 
 class SimulatedTracker(MemoryTracker):
@@ -165,7 +189,8 @@ def simulation(
     """Fake tensors for ``model``, fake scalars and the roofline clock, for the ``with`` block."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     clock = RooflineClock(spec, tf32=tf32)
-    with fake_model(model, mode), mode, _FakeScalars(), clock:
+    dropout = _fused_dropout() if spec.kind == "cuda" else contextlib.nullcontext()
+    with fake_model(model, mode), mode, _FakeScalars(), clock, dropout:
         yield mode, clock
 
 
