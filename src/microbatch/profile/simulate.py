@@ -85,26 +85,40 @@ class _FakeScalars(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _fused_dropout() -> Iterator[None]:
-    """``F.dropout`` as CUDA runs it: the fused kernel, which keeps a 1-byte boolean mask.
+def _cuda_kernels() -> Iterator[None]:
+    """Dropout and attention as CUDA runs them, for the ``with`` block.
 
-    On the CPU, which the fake tensors claim to be on, ``F.dropout`` multiplies by a mask in the
-    input's dtype and saves that (2 bytes per element in 16-bit). ``torch.native_dropout`` is the
-    kernel CUDA's dropout dispatches to (``is_fused_kernel_acceptable``). The function is swapped
-    in ``torch.nn.functional`` for the ``with`` block (a checkpoint's recompute sees it too).
+    The fake tensors claim to be on the CPU, whose kernels keep other things for backward:
+
+    - ``F.dropout`` on the CPU multiplies by a mask in the input's dtype and saves it (2 bytes per
+      element in 16-bit); CUDA's fused kernel (``torch.native_dropout``, what its dropout
+      dispatches to) saves a 1-byte boolean mask.
+    - ``F.scaled_dot_product_attention`` with dropout falls back on the CPU to the math path, which
+      keeps the attention matrix; CUDA's flash and memory-efficient kernels keep only the output,
+      the log-sum-exp and the RNG state, as the CPU's flash kernel does without dropout.
+
+    The functions are swapped in ``torch.nn.functional`` (a checkpoint's recompute sees them too).
     """
-    original = F.dropout
+    dropout, attention = F.dropout, F.scaled_dot_product_attention
 
-    def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
+    def fused_dropout(
+        input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+    ) -> Any:
         if training and 0 < p < 1 and not inplace:
             return torch.native_dropout(input, p, True)[0]
-        return original(input, p, training, inplace)
+        return dropout(input, p, training, inplace)
 
-    F.dropout = dropout
+    def flash_attention(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > 4:
+            args = (*args[:4], 0.0, *args[5:])
+        kwargs.pop("dropout_p", None)
+        return attention(*args, **kwargs)
+
+    F.dropout, F.scaled_dot_product_attention = fused_dropout, flash_attention
     try:
         yield
     finally:
-        F.dropout = original
+        F.dropout, F.scaled_dot_product_attention = dropout, attention
 
 
 class SimulatedTracker(MemoryTracker):
@@ -189,8 +203,8 @@ def simulation(
     """Fake tensors for ``model``, fake scalars and the roofline clock, for the ``with`` block."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     clock = RooflineClock(spec, tf32=tf32)
-    dropout = _fused_dropout() if spec.kind == "cuda" else contextlib.nullcontext()
-    with fake_model(model, mode), mode, _FakeScalars(), clock, dropout:
+    kernels = _cuda_kernels() if spec.kind == "cuda" else contextlib.nullcontext()
+    with fake_model(model, mode), mode, _FakeScalars(), clock, kernels:
         yield mode, clock
 
 
