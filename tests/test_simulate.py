@@ -62,6 +62,13 @@ def test_roofline_of_a_matmul_is_its_flops_over_the_peak() -> None:
     assert clock.flops == flops
     expected = max(flops / spec.flops_bf16, moved / spec.memory_bytes_per_second) + spec.launch_seconds
     assert clock.seconds == pytest.approx(expected)
+    with FakeTensorMode():
+        a, grads = torch.empty(8, 8), [torch.empty(1000) for _ in range(3)]
+        with RooflineClock(spec) as clock:
+            a.device, a.shape[0], a.t()  # metadata and a view: no time
+            torch._foreach_mul_(grads, 2.0)  # in place, returns nothing: one launch, 24 kB moved
+    assert clock.ops == 1
+    assert clock.seconds == pytest.approx(24_000 / spec.memory_bytes_per_second + spec.launch_seconds)
 
 
 def test_collectives_and_allocator_rounding() -> None:

@@ -29,9 +29,11 @@ from torch.utils.flop_counter import flop_registry
 
 from ..devices import DeviceSpec
 
+# Ops that move no data although their schema does not say "view".
 _FREE = {
     torch.ops.aten.detach.default,
     torch.ops.aten.lift_fresh.default,
+    torch.ops.aten._unsafe_view.default,
 }
 
 
@@ -88,9 +90,12 @@ class RooflineClock(TorchDispatchMode):
 
     def op_seconds(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float:
         """The roofline seconds of one op; 0 for views and ops that move no data."""
-        if func in _FREE or getattr(func, "is_view", False):
-            return 0.0
-        moved = tensor_bytes(args) + tensor_bytes(kwargs) + tensor_bytes(out)
+        in_place = str(getattr(func, "_overloadpacket", "")).endswith("_")  # _foreach_add_ returns None
+        if func in _FREE or getattr(func, "is_view", False) or not (_tensors(out) or in_place):
+            return 0.0  # views, and metadata queries (device, sizes) that return no tensor
+        # An in-place foreach op returns nothing but writes its first argument back.
+        written = tensor_bytes(out) if _tensors(out) else tensor_bytes(args[:1])
+        moved = tensor_bytes(args) + tensor_bytes(kwargs) + written
         if moved == 0:
             return 0.0
         flops = op_flops(func, args, kwargs, out)
