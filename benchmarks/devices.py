@@ -51,10 +51,11 @@ def plan_row(model: str, device: str, *, batch: int, seq_len: int, precision: st
     row["accelerate_bytes"] = accelerate_estimate(workload.model, precision)
     try:
         chosen = plan(workload, batch=batch, memory=memory, profile=profile, device=spec)
-    except InfeasibleBudgetError as error:
-        row.update(
-            plan=f"none fits: needs {format_bytes(error.minimum_bytes)}", peak_bytes=error.minimum_bytes
-        )
+    except InfeasibleBudgetError:
+        # The least any plan needs: the search's minimum with no budget in the way (the error's own
+        # minimum is only parameters + gradients when the planner refuses before searching).
+        needed = plan(workload, batch=batch, memory="1TiB", profile=profile, device=spec).minimum_bytes
+        row.update(plan=f"none fits: needs {format_bytes(needed)}", peak_bytes=needed)
         row.update(seconds_per_step=None, formula_bytes=None, micro_batch_size=None)
     else:
         row.update(

@@ -144,3 +144,15 @@ def test_plan_on_a_preset_is_simulated_and_covers_the_batch() -> None:
     assert any("simulated" in note for note in plan.notes)
     assert dict(plan.rank_parts)["CUDA context and workspaces (allowance)"] == 512 * 1024**2
     assert "accelerate estimate-memory: training using Adam" in dict(plan.estimates)
+
+
+def test_simulate_on_the_present_device_and_a_torch_device_for_real() -> None:
+    workload = load_workload("seed-linear")
+    simulated = mb.plan(workload, batch=8, memory="64MiB", device="cpu", simulate=True)
+    assert simulated.simulated and simulated.device_name == "cpu" and simulated.trials == 0
+    real = mb.plan(workload, batch=8, memory="64MiB", device=torch.device("cpu"))
+    assert not real.simulated and real.trials >= 1 and real.measured_peak_bytes is not None
+    # The same model planned both ways: the same peak, bar the simulated plan's margin.
+    assert simulated.predicted_peak_bytes == pytest.approx(real.predicted_peak_bytes, rel=0.03)
+    with pytest.raises(ConfigError, match="preset"):
+        mb.plan(workload, batch=8, memory="64MiB", device="tpu-v9")
