@@ -333,13 +333,13 @@ def test_uncontrolled_randomness_reports_a_noise_floor() -> None:
     assert diagnostic.details["noise_max_rel_diff"] > 1e-3
 
 
-def test_interacting_samples_are_unexplained() -> None:
+def test_interacting_samples_are_recognised_as_coupled() -> None:
     torch.manual_seed(5)
     workload = Workload(model=Centering().double(), make_batch=regression_batch, loss=mse, name="centering")
     report = verify(workload, batch=16, steps=4)
     full, weighted, _ = reference_grads(workload.model, mse, split_batch(regression_batch(16), [4] * 4))
     assert report.max_rel_diff == pytest.approx(max_rel(weighted, full), rel=1e-6) and not report.equivalent
-    assert [d.kind for d in report.diagnostics] == ["unexplained"]
+    assert [d.kind for d in report.diagnostics] == ["coupled"]  # centering mixes the samples
 
 
 # ---------------------------------------------------------------------- report and errors

@@ -11,17 +11,21 @@ __version__ = "0.1.0"
 from . import distributed, schedules
 from .accumulate import Accumulator, Micro, WindowStats
 from .batchnorm import convert_batchnorm_to_groupnorm, corrected_momentum
+from .cached import cached_backward
 from .checkpoint import CheckpointHandle, checkpoint, find_blocks
 from .devices import DeviceSpec, devices
 from .errors import MicrobatchError
 from .memory import MemoryTracker, format_bytes, parse_bytes
 from .planner import FrontierPoint, Plan, plan
+from .planner.cached import CachedPlan, plan_cached
 from .profile import Profile, profile_workload
+from .tokens import TokenStats, TokenWindows, split_by_tokens
 from .verify import VerifyReport, verify
 from .workload import Workload, load_workload
 
 __all__ = [
     "Accumulator",
+    "CachedPlan",
     "CheckpointHandle",
     "DeviceSpec",
     "FrontierPoint",
@@ -30,10 +34,13 @@ __all__ = [
     "MicrobatchError",
     "Plan",
     "Profile",
+    "TokenStats",
+    "TokenWindows",
     "VerifyReport",
     "WindowStats",
     "Workload",
     "__version__",
+    "cached_backward",
     "checkpoint",
     "convert_batchnorm_to_groupnorm",
     "corrected_momentum",
@@ -44,7 +51,9 @@ __all__ = [
     "load_workload",
     "parse_bytes",
     "plan",
+    "plan_cached",
     "profile_workload",
     "schedules",
+    "split_by_tokens",
     "verify",
 ]

@@ -22,6 +22,8 @@ Diagnostics explain a difference instead of just reporting it:
   counts found in the batch (labels != -100, mask entries).
 - BatchNorm: each micro-batch is normalised with its own statistics. The comparison is repeated
   with the BatchNorm layers frozen (eval mode); the difference that goes away is BatchNorm's.
+- coupled: the item-weighted mean of the micro-batch losses differs from the full batch's loss
+  though the item counts agree: the samples interact (a contrastive loss; see cached_backward).
 - randomness: a model that is random in training mode (dropout) is detected by running one
   micro-batch twice under different seeds, and controlled for the comparison: dropout modules in
   eval mode, else the whole model in eval mode except BatchNorm; if neither removes it, both
@@ -79,7 +81,7 @@ class ParameterDifference:
 
 @dataclass(frozen=True)
 class Diagnostic:
-    """One finding: ``kind`` is batchnorm, item-counts, items-mismatch, randomness or unexplained."""
+    """One finding: ``kind`` is batchnorm, item-counts, items-mismatch, randomness, coupled or unexplained."""
 
     kind: str
     severity: str  # "info" or "warning"
@@ -238,17 +240,18 @@ class _Pass:
     loss: float
     buffers: dict[str, torch.Tensor]
     loss_dtype: torch.dtype = torch.float32
+    items: int = 0  # the full batch's item count, as its loss reported it
 
 
 def _full_batch(base: nn.Module, loss_fn: LossFn, batch: Any, seed: int) -> _Pass:
     model = copy.deepcopy(base)
     torch.manual_seed(seed)
-    loss, _ = _run_loss(loss_fn, model, batch)
+    loss, items = _run_loss(loss_fn, model, batch)
     loss.backward()
     grads = _grads(model)
     if not all(bool(torch.isfinite(g).all()) for g in grads.values()):
         raise WorkloadError("the full-batch gradient is not finite (inf or nan); fix the loss, then verify")
-    return _Pass(grads, float(loss.detach()), _float_buffers(model), loss.dtype)
+    return _Pass(grads, float(loss.detach()), _float_buffers(model), loss.dtype, items)
 
 
 def _accumulated(base: nn.Module, loss_fn: LossFn, micro: list[Any], seed: int) -> _Pass:
@@ -527,6 +530,30 @@ def _batchnorm(setup: _Setup, diff: _Difference, full: _Pass, accumulated: _Pass
     )
 
 
+def _coupled_loss(setup: _Setup, full: _Pass, accumulated: _Pass, per_micro: _PerMicro) -> Diagnostic | None:
+    """Samples that interact within a batch: the item-weighted mean of the micro-batch losses differs
+    from the full batch's loss although the item counts add up. For a loss that is a mean over
+    independent items the two are equal, so the loss (or the model) couples the samples."""
+    if sum(per_micro.items) != full.items or any(layer.training for _, layer in batchnorm_layers(setup.base)):
+        return None
+    loss_rel = abs(accumulated.loss - full.loss) / max(abs(full.loss), 1e-30)
+    if not loss_rel > setup.rtol:
+        return None
+    return Diagnostic(
+        "coupled",
+        "warning",
+        f"the samples interact within a batch: the item-weighted mean of the micro-batch losses is "
+        f"{accumulated.loss:.8g}, the full batch's loss {full.loss:.8g} (relative difference "
+        f"{loss_rel:.2e}), although the item counts agree ({full.items}). No weighting of micro-batch "
+        "gradients is exact then. "
+        "If the loss compares samples with each other (contrastive / InfoNCE, in-batch negatives, a batch "
+        "softmax) while the model encodes each sample alone, use microbatch.cached_backward(encode, batch, "
+        "loss, micro_batch_size=...): gradient caching gives the full batch's gradient exactly. If the model "
+        "itself mixes samples (batch statistics), use micro-batches as large as the batch.",
+        {"full_loss": full.loss, "micro_batch_weighted_loss": accumulated.loss, "loss_rel_diff": loss_rel},
+    )
+
+
 def _diagnose(
     setup: _Setup,
     *,
@@ -574,6 +601,11 @@ def _diagnose(
         logger.debug("least-squares micro-batch weights %s, relative residual %.2e", weights, residual)
         if residual <= max(setup.rtol, 1e-3 * diff.l2_rel):
             diagnostics.append(_items_mismatch(weights, per_micro.items, setup.micro, diff.max_rel))
+            explained = True
+    if not explained and deterministic and steps > 1:
+        coupled = _coupled_loss(setup, full, accumulated, per_micro)
+        if coupled is not None:
+            diagnostics.append(coupled)
             explained = True
     if not explained:
         diagnostics.append(

@@ -32,6 +32,9 @@ class Workload:
     loss: ``loss(model, batch) -> (loss, items)``: the loss averaged over ``items`` (samples, or tokens
         that are not padding), and that count. The full-batch loss is the item-weighted mean.
     optimizer: optional ``optimizer(model) -> torch.optim.Optimizer``; AdamW(lr=1e-3) when absent.
+    max_length: set when samples vary in length (at most ``max_length`` tokens) and ``make_batch(b)``
+        pads b rows to ``max_length`` (the worst case): the planner then also reports a token budget,
+        ``Plan.max_tokens``, for micro-batches split with ``split_by_tokens`` (see planner/tokens.py).
     """
 
     model: nn.Module
@@ -40,6 +43,7 @@ class Workload:
     optimizer: OptimizerFactory | None = None
     name: str = "workload"
     description: str = ""
+    max_length: int | None = None
 
     def make_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is not None:

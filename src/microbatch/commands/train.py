@@ -18,6 +18,7 @@ from ..training import DEFAULT_CPU_MEMORY, StepReport, TrainConfig, TrainPlan, r
 from ..training.config import CHECKPOINT_POLICIES, LR_SCALINGS, PLANNERS, PRECISIONS
 from ..training.plan import CUDA_FREE_MEMORY_FRACTION
 from ..training.run_folder import latest_run_dir
+from ..training.tokens import parse_max_tokens
 
 _DEFAULTS = TrainConfig()
 # Flags that map one to one onto TrainConfig fields (argparse dest == field name).
@@ -37,6 +38,7 @@ _CONFIG_FLAGS = (
     "eval_interval",
     "checkpoint_interval",
     "device",
+    "max_tokens",
 )
 
 
@@ -92,6 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--eval-interval", type=int, help="steps between validation losses (default steps/5, at most 50)")
     add("--checkpoint-interval", type=int, help="steps between checkpoints (default max(eval interval, 50))")
     add("--device", help="torch device, e.g. cpu or cuda:1 (default: CUDA when there is one)")
+    add(
+        "--max-tokens",
+        type=parse_max_tokens,
+        help="micro-batches by padded tokens instead of rows: N, auto (the plan's micro-batch x block size; "
+        "the default) or off (fixed rows); the same gradient with less padding",
+    )
     add("--json", action="store_true", help="print the summary as JSON on stdout")
     add("--no-progress", action="store_true", help="no progress line on stderr")
 

@@ -63,6 +63,7 @@ def gpt_workload(
         optimizer=lambda m: gpt_optimizer(m, lr=lr),
         name=size if isinstance(size, str) else "gpt",
         description=f"byte-level GPT {config.n_layer}x{config.n_embd} on {corpus}",
+        max_length=config.block_size,
     )
 
 
@@ -110,6 +111,7 @@ def lm_varlen() -> Workload:
         optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
         name="lm-varlen",
         description="2-layer byte GPT on random variable-length padded sequences (token-mean loss)",
+        max_length=config.block_size,
     )
 
 

@@ -67,7 +67,9 @@ class Plan:
     is exactly ``batch_size``. ``block_policies`` says per block: none, full, selective or offload.
     ``measured_peak_bytes`` comes from one real window run under MemoryTracker (None without a trial);
     ``peak_parts`` is what the predicted peak is made of; ``minimum_bytes`` is the least budget any
-    plan is predicted to fit (micro-batch 1, the blocks checkpointed).
+    plan is predicted to fit (micro-batch 1, the blocks checkpointed). ``max_tokens``: for a workload
+    with variable lengths (``Workload.max_length``), the padded-token budget per micro-batch
+    (``micro_batch_size x max_length``) for ``split_by_tokens``; None otherwise.
     """
 
     workload: str
@@ -88,6 +90,7 @@ class Plan:
     trials: int = 0
     planning_seconds: float = 0.0
     notes: tuple[str, ...] = ()
+    max_tokens: int | None = None  # padded tokens per micro-batch, for variable-length workloads
     simulated: bool = False  # predicted under fake tensors for device_name; no trial ran
     device_name: str = ""
     shard: str = "none"  # data parallelism across world_size ranks: none, ddp or fsdp
@@ -161,6 +164,7 @@ class Plan:
             "trials": self.trials,
             "planning_seconds": self.planning_seconds,
             "notes": list(self.notes),
+            "max_tokens": self.max_tokens,
             "simulated": self.simulated,
             "device_name": self.device_name,
             "shard": self.shard,
@@ -185,6 +189,11 @@ class Plan:
             f"predicted peak {format_bytes(self.predicted_peak_bytes)}{measured}",
             f"  predicted {self.predicted_seconds_per_step:.3g} s per optimizer step, "
             f"{self.samples_per_second:.1f} samples/s",
+            *(
+                [f"  token budget: max_tokens={self.max_tokens} padded tokens per micro-batch"]
+                if self.max_tokens
+                else []
+            ),
             "  peak = " + " + ".join(f"{name} {format_bytes(v)}" for name, v in self.peak_parts if v),
             "",
             f"  {'block':<28} policy",

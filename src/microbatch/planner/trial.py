@@ -53,6 +53,7 @@ from .plan import FrontierPoint, Plan, summarize_policies
 from .ranks import shard_profile
 from .search import Candidate, Model, SearchResult, search
 from .simulated import finish, profile_for, resolve_target, target_budget
+from .tokens import token_budget
 
 logger = logging.getLogger(__name__)
 
@@ -377,5 +378,6 @@ def plan(
         trials=trials,
         planning_seconds=time.perf_counter() - began,
         notes=tuple(notes),
+        max_tokens=token_budget(workload, chosen.micro_batch_size),
     )
     return finish(planned, workload=workload, profile=profile, spec=spec, shard=shard, extras=extras)

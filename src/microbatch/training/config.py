@@ -14,6 +14,7 @@ from .. import distributed, schedules
 from ..errors import ConfigError, WorkloadError
 from ..models.corpus import DEFAULT_MAX_BYTES
 from ..models.gpt import GPT_SIZES
+from .tokens import parse_max_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ LR_SCALINGS = ("linear", "sqrt")
 # TrainConfig fields a resumed run may change; every other field must match the checkpoint's.
 RESUMABLE_CHANGES = frozenset(
     {"steps", "out", "resume", "eval_interval", "checkpoint_interval", "memory", "device", "planner"}
-)
+) | {"max_tokens"}  # how a window is split, not what it computes
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class TrainConfig:
     checkpoint_interval: int | None = None
     corpus_bytes: int = DEFAULT_MAX_BYTES
     device: str | None = None
+    max_tokens: str | int | None = "auto"  # micro-batches by padded tokens (training/tokens.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,6 +131,7 @@ def validate_config(config: TrainConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    parse_max_tokens(config.max_tokens)
     world = distributed.world_size()
     if config.batch % world:
         raise ConfigError(

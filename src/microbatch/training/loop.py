@@ -54,6 +54,7 @@ from .run_folder import (
     read_metrics,
     write_json,
 )
+from .tokens import TokenSteps, resolve_max_tokens, split_window
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -227,6 +228,7 @@ class _Session:
     step: int = 0
     resumed_from_step: int | None = None
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    token_steps: TokenSteps | None = None  # set when micro-batches are split by tokens
 
 
 def _build_model(config: TrainConfig) -> GPT:
@@ -353,10 +355,15 @@ def _setup(config: TrainConfig) -> _Session:
         lambda step: lr_factor(step, warmup_steps=config.warmup_steps, decay_steps=config.lr_decay_steps),
     )
     scaler = torch.amp.GradScaler(device.type) if config.precision == "fp16" else None
+    steps = accumulation_schedule(config, plan_steps=plan.steps, micro_batch_size=plan.micro_batch_size)
+    max_tokens = resolve_max_tokens(
+        config.max_tokens, micro_batch_size=plan.micro_batch_size, block_size=raw_model.config.block_size
+    )
+    token_steps = TokenSteps(steps, max_tokens) if max_tokens is not None else None
     accumulator = Accumulator(
         model,
         optimizer,
-        steps=accumulation_schedule(config, plan_steps=plan.steps, micro_batch_size=plan.micro_batch_size),
+        steps=token_steps or steps,
         scheduler=scheduler,
         max_grad_norm=config.max_grad_norm,
         scaler=scaler,
@@ -376,6 +383,7 @@ def _setup(config: TrainConfig) -> _Session:
         validation=_validation_batches(config, raw_model.config.block_size, plan.micro_batch_size),
         autocast_dtype=PRECISIONS[config.precision],
         checkpoint_handle=checkpoint_handle,
+        token_steps=token_steps,
     )
     if state is not None:
         _restore(session, state)
@@ -480,11 +488,15 @@ def _window_batches(session: _Session, window: int) -> list[dict[str, torch.Tens
     size, steps) trains on the same sequences, so plans differ only by rounding. The token ids of a
     window are small (batch x block_size int64) next to the activations of one micro-batch.
     """
-    steps = session.accumulator.steps_for(window)
+    token_steps = session.token_steps
+    steps = token_steps.row_steps(window) if token_steps else session.accumulator.steps_for(window)
     sizes = session.plan.micro_batch_sizes()
     if steps != len(sizes):  # accumulation warmup: fewer, full micro-batches
         sizes = [session.plan.micro_batch_size] * steps
     window_batch = session.train_data(sum(sizes))
+    if token_steps is not None:  # the same sequences, split by padded tokens instead of rows
+        split = split_window(window_batch, token_steps, window)
+        return [move_batch(micro, session.device) for micro in split]
     return [move_batch(micro, session.device) for micro in split_batch(window_batch, sizes)]
 
 
@@ -594,6 +606,8 @@ def _train(config: TrainConfig, *, progress: Callable[[StepReport], None] | None
                 "seconds": seconds,
                 "tokens_per_second": stats.items / seconds if seconds > 0 else 0.0,
             }
+            if session.token_steps is not None:
+                record.update(session.token_steps.last_record)
             last = session.step == config.steps
             if session.step % eval_interval == 0 or last:
                 record["val_loss"] = evaluate(session)
