@@ -49,15 +49,15 @@ def test_embedded_architectures_have_their_published_sizes() -> None:
 
 
 def test_cli_plans_an_architecture_as_json(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(
-        ["plan", "gpt2", "--device", "l4", "--batch", "8", "--seq-len", "128", "--memory", "8GiB", "--json"]
-    )
-    assert code == 0
+    argv = ["plan", "gpt2", "--device", "l4", "--batch", "8", "--seq-len", "128", "--memory", "8GiB"]
+    assert main([*argv, "--world-size", "2", "--shard", "fsdp", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["simulated"] and result["device_name"] == "l4"
-    assert sum(result["micro_batch_sizes"]) == 8
+    assert result["simulated"] and result["device_name"] == "l4" and result["shard"] == "fsdp"
+    assert sum(result["micro_batch_sizes"]) * result["world_size"] == 8
     assert result["predicted_peak_bytes"] <= 8 * 1024**3
+    assert result["rank_parts"]["FSDP all-gathered parameters (2 blocks in flight)"] > 0
     assert len(result["policies"]) == 12  # two layers simulated, twelve planned
+    assert "Korthikanti sbh(34 + 5as/h), all layers" in result["estimates"]
 
 
 def test_too_small_a_budget_says_the_minimum() -> None:
