@@ -156,3 +156,6 @@ def test_simulate_on_the_present_device_and_a_torch_device_for_real() -> None:
     assert simulated.predicted_peak_bytes == pytest.approx(real.predicted_peak_bytes, rel=0.03)
     with pytest.raises(ConfigError, match="preset"):
         mb.plan(workload, batch=8, memory="64MiB", device="tpu-v9")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="h100-80gb"):
+            mb.plan(workload, batch=8, memory="64MiB", device="cuda:0")

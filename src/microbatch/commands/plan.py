@@ -130,8 +130,10 @@ def run(args: argparse.Namespace) -> int:
     policies = None if args.policies is None else [p.strip() for p in args.policies.split(",") if p.strip()]
     progress = _Progress()
     profile = None
+    device = args.device
     if is_architecture(args.model):
         workload, profile = _architecture(args, policies, progress)
+        device = device_spec(args.device)  # "cpu" too means the preset: the weights are fake
     else:
         workload = load_workload(args.model)
     try:
@@ -145,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
             trial=not args.no_trial,
             progress=progress,
             profile=profile,
-            device=args.device,
+            device=device,
             simulate=args.simulate,
             shard=args.shard,
         )

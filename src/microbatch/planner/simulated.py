@@ -45,6 +45,11 @@ def resolve_target(workload: Workload, device: Any, simulate: bool) -> DeviceSpe
             ) from error
         if simulate and target.type == "cpu":
             return devices()["cpu"]
+        if target.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(
+                f"device={device!r}: CUDA is not available here; to plan for a GPU that is not here, "
+                f"pass a preset ({', '.join(devices())}) or a mb.DeviceSpec"
+            )
         workload.model.to(target)
     if not simulate:
         return None
