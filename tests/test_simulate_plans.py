@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,3 +110,13 @@ def test_estimates_match_accelerate_and_the_formula() -> None:
         12 * s * b * h * (34 + 5 * a * s / h)
     )
     assert korthikanti_bytes(torch.nn.Linear(2, 2), seq_len=s, micro_batch_size=b) is None
+
+
+def test_a_local_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**ARCHITECTURES["gpt2"], "n_layer": 3}))
+    argv = ["plan", str(folder / "config.json"), "--device", "l4", "--batch", "4", "--seq-len", "64"]
+    assert main([*argv, "--memory", "4GiB", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["workload"].startswith("my-model") and len(result["policies"]) == 3
