@@ -38,9 +38,11 @@ FAKE_SUITE = textwrap.dedent(
 
 
 def load_script(name: str) -> ModuleType:
-    """A benchmarks/ script as a module (benchmarks/ on sys.path, as `python benchmarks/x.py` has it)."""
+    """A benchmarks/ script or package as a module (benchmarks/ on sys.path, as the suites have it)."""
     if str(BENCHMARKS) not in sys.path:
         sys.path.insert(0, str(BENCHMARKS))
+    if (BENCHMARKS / name / "__init__.py").is_file():
+        return importlib.import_module(name)
     spec = importlib.util.spec_from_file_location(f"bench_script_{name}", BENCHMARKS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

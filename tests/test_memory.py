@@ -227,3 +227,33 @@ def test_cuda_peaks_bracket_the_live_tensor_peak() -> None:
     # allocator peak = tracked tensors + whatever lived on the device before (cuBLAS workspace, ...)
     assert mem.peak_bytes <= mem.cuda_max_allocated_bytes
     assert mem.peak_bytes >= 0.5 * mem.cuda_max_allocated_bytes
+
+
+# -- the tracker's device comes from what it tracks, not from whether a GPU exists ------------------
+
+
+@pytest.fixture
+def pretend_cuda_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU machine, as far as a default device choice can tell (nothing may really touch CUDA)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+
+def test_tracker_device_from_model_on_gpu_machine(pretend_cuda_exists: None) -> None:
+    model = torch.nn.Linear(64, 64)
+    with MemoryTracker(model=model) as tracker:
+        model(torch.randn(8, 64)).sum().backward()
+    assert tracker.device == torch.device("cpu")
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert tracker.breakdown["parameters"] == parameter_bytes
+    assert tracker.peak_bytes >= 2 * parameter_bytes  # parameters and their gradients
+
+
+def test_tracker_device_from_first_tensor_on_gpu_machine(pretend_cuda_exists: None) -> None:
+    with MemoryTracker() as tracker:
+        x = torch.ones(1000)
+        y = x * 2
+    assert tracker.device == torch.device("cpu")
+    assert tracker.peak_bytes >= 2 * 4000
+    del x, y

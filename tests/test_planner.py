@@ -13,12 +13,13 @@ from torch import nn
 
 import microbatch as mb
 from equivalence import assert_grads_close, full_batch_grads, grads_of
+from microbatch.allocator import ddp_bucket_bytes
 from microbatch.cli import main
 from microbatch.errors import ConfigError, InfeasibleBudgetError
 from microbatch.models.gpt import GPTConfig
 from microbatch.models.workloads import cnn_bn, gpt_workload, lm_varlen
 from microbatch.planner import Plan, plan
-from microbatch.planner.search import SAFETY_MARGIN, Model, search
+from microbatch.planner.search import SAFETY_MARGIN, Model, search, tie_fraction
 from microbatch.profile import Fit, PolicyCost, Profile, SegmentProfile, profile_workload
 from microbatch.workload import Workload
 
@@ -75,14 +76,18 @@ def test_larger_budget_is_never_slower_and_batch_stays_exact(
 ) -> None:
     workload, profile = gpt
     batch = 20
-    minimum, top = peak_range(profile, batch // world_size)
+    # With two ranks DDP's gradient buckets (a second copy of the gradients) are in every plan.
+    buckets = ddp_bucket_bytes(workload.model, world_size=world_size)
+    minimum, top = (bound + buckets for bound in peak_range(profile, batch // world_size))
     previous = math.inf
+    tie = tie_fraction(profile)  # plans within this fraction of the fastest are ties
     for step in range(25):
         budget = int(minimum + step * (1.1 * top - minimum) / 24)
         result = plan(
             workload, batch=batch, memory=budget, world_size=world_size, profile=profile, trial=False
         )
-        assert result.predicted_seconds_per_step <= previous
+        # Not slower than the smaller budget's plan, beyond a tie.
+        assert result.predicted_seconds_per_step <= previous * (1 + tie) * (1 + 1e-9)
         previous = result.predicted_seconds_per_step
         assert result.predicted_peak_bytes <= budget
         assert sum(result.micro_batch_sizes) * world_size == batch
@@ -92,9 +97,11 @@ def test_larger_budget_is_never_slower_and_batch_stays_exact(
             == -(-(batch // world_size) // result.micro_batch_size)
         )
         assert set(result.micro_batch_sizes[:-1]) <= {result.micro_batch_size}
-        # The chosen plan is on the frontier, and no frontier point within the budget is faster.
+        # No frontier point within the budget is faster than the chosen plan beyond a tie.
         within = [p for p in result.frontier if p.predicted_peak_bytes <= budget]
-        assert min(p.seconds_per_step for p in within) == pytest.approx(result.predicted_seconds_per_step)
+        fastest = min(p.seconds_per_step for p in within)
+        assert fastest <= result.predicted_seconds_per_step * (1 + 1e-9)
+        assert result.predicted_seconds_per_step <= fastest * (1 + tie) * (1 + 1e-9)
     assert previous < math.inf
 
 
@@ -373,3 +380,19 @@ def test_model_without_repeated_blocks_plans_the_micro_batch_size_only() -> None
     assert result.measured_peak_bytes is not None and result.measured_peak_bytes <= budget
     assert sum(result.micro_batch_sizes) == 32 and result.micro_batch_size < 32
     assert result.checkpoint(workload.model) is None
+
+
+@pytest.mark.slow
+def test_the_same_plan_every_time_on_a_noisy_machine() -> None:
+    # Real clocks, a machine shared with other work: timings differ from run to run by 10-30 %, and
+    # plans within the timings' noise are ties broken by a fixed rule (search.tie_key). Each run
+    # profiles afresh; the choices must agree 5 times out of 5 at each budget (one with
+    # checkpointing, one with accumulation only).
+    torch.set_num_threads(1)
+    workload = gpt_workload("gpt-mini")
+    for budget in ("14MiB", "20MiB"):
+        chosen = set()
+        for _ in range(5):
+            result = mb.plan(workload, batch=8, memory=budget, max_profile_micro_batch_size=4)
+            chosen.add((result.micro_batch_sizes, result.block_policies))
+        assert len(chosen) == 1, (budget, chosen)

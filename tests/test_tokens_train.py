@@ -20,7 +20,7 @@ from microbatch.errors import ConfigError
 from microbatch.training.run_folder import load_checkpoint
 from microbatch.training.tokens import parse_max_tokens, resolve_max_tokens
 
-NANO = ("--model", "gpt-nano", "--batch", "8", "--planner", "fixed", "--no-progress", "--memory", "2MiB")
+NANO = ("--model", "gpt-nano", "--batch", "8", "--micro-batch", "2", "--no-progress")
 
 
 @pytest.fixture(autouse=True)

@@ -21,12 +21,9 @@ import torch
 
 from microbatch import cli
 from microbatch.commands.train import ProgressLine
-from microbatch.errors import InfeasibleBudgetError
-from microbatch.models.workloads import gpt_workload
 from microbatch.training import (
     StepReport,
     TrainConfig,
-    fixed_plan,
     load_checkpoint,
     lr_factor,
     scaled_hyperparameters,
@@ -36,10 +33,10 @@ from microbatch.training import (
 RUN_FILES = ("metrics.jsonl", "plan.json", "loss.png", "summary.json", "checkpoint.pt", "config.json")
 # Fields of a metrics line that depend only on the computation (not on time or measurement).
 EXACT_FIELDS = ("step", "loss", "items", "lr", "grad_norm", "skipped", "micro_batches")
-# gpt-nano (2 layers, n_embd 32, block 32): a few steps take well under a second. The fixed plan
-# (one measured forward) keeps these tests quick and independent of the planner; with it, a budget
-# this small makes the plan accumulate over several micro-batches of an effective batch of 8.
-NANO = ("--model", "gpt-nano", "--batch", "8", "--planner", "fixed", "--no-progress")
+# gpt-nano (2 layers, n_embd 32, block 32): a few steps take well under a second. A manual plan
+# (--micro-batch 2: Plan.manual, no profiling) keeps these tests quick and independent of the
+# planner, and accumulates over 4 micro-batches of an effective batch of 8.
+NANO = ("--model", "gpt-nano", "--batch", "8", "--micro-batch", "2", "--no-progress")
 SMALL_MEMORY = "2MiB"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -173,7 +170,7 @@ def test_resume_is_exact_with_dropout_and_accumulation_warmup(tmp_path: Path) ->
     # Dropout draws from the global RNG and --nominal-batch makes windows grow: both must resume.
     base = TrainConfig(
         model="gpt-nano", batch=8, memory=SMALL_MEMORY, dropout=0.1, nominal_batch=16, warmup_steps=3,
-        eval_interval=2, planner="fixed",
+        eval_interval=2, micro_batch=2,
     )  # fmt: skip
     whole = train(dataclasses.replace(base, steps=6, out=str(tmp_path / "whole")))
     train(dataclasses.replace(base, steps=2, out=str(tmp_path / "halves")))
@@ -193,9 +190,10 @@ def test_accumulated_step_equals_the_full_batch_step(tmp_path: Path) -> None:
     # Same data, two plans: one micro-batch of 8, or several smaller ones. The accumulated window
     # must give the full batch's token-mean loss and gradient (float32: rtol 1e-5 on the loss and
     # gradient norm; 1e-4 on the second step's loss, after one AdamW update from each gradient).
-    base = TrainConfig(model="gpt-nano", batch=8, steps=2, eval_interval=100, planner="fixed")
-    full = train(dataclasses.replace(base, memory="1GiB", out=str(tmp_path / "full")))
-    accumulated = train(dataclasses.replace(base, memory=SMALL_MEMORY, out=str(tmp_path / "accumulated")))
+    # The accumulated plan is 3 + 3 + 2: a short last micro-batch, exact all the same.
+    base = TrainConfig(model="gpt-nano", batch=8, steps=2, eval_interval=100)
+    full = train(dataclasses.replace(base, micro_batch=8, out=str(tmp_path / "full")))
+    accumulated = train(dataclasses.replace(base, micro_batch=3, out=str(tmp_path / "accumulated")))
     assert full.plan["steps"] == 1
     assert accumulated.plan["steps"] > 1
     full_metrics, accumulated_metrics = (
@@ -210,10 +208,11 @@ def test_accumulated_step_equals_the_full_batch_step(tmp_path: Path) -> None:
 
 
 def test_checkpoint_policy_full_matches_no_checkpointing(tmp_path: Path) -> None:
-    base = TrainConfig(model="gpt-nano", batch=4, steps=2, memory="1GiB", eval_interval=100, planner="fixed")
+    base = TrainConfig(model="gpt-nano", batch=4, steps=2, micro_batch=4, eval_interval=100)
     plain = train(dataclasses.replace(base, checkpoint_policy="none", out=str(tmp_path / "none")))
     checkpointed = train(dataclasses.replace(base, checkpoint_policy="full", out=str(tmp_path / "full")))
-    assert checkpointed.plan["checkpoint_policy"] == "full"
+    assert set(checkpointed.plan["policies"].values()) == {"full"}
+    assert plain.plan["policies"] == {}
     for a, b in zip(read_metrics(tmp_path / "none"), read_metrics(tmp_path / "full"), strict=True):
         torch.testing.assert_close(b["loss"], a["loss"], rtol=1e-6, atol=0)
         torch.testing.assert_close(b["grad_norm"], a["grad_norm"], rtol=1e-5, atol=0)
@@ -268,25 +267,6 @@ def test_nominal_batch_scales_lr_and_weight_decay() -> None:
     assert scaled_hyperparameters(square_root)[0] == pytest.approx(1e-3 * 2**0.5)
 
 
-def test_fixed_plan_fits_the_budget_and_reports_the_minimum() -> None:
-    workload = gpt_workload("gpt-nano")
-    roomy = fixed_plan(workload, batch=64, memory_bytes=2**30, world_size=1, policy="none")
-    tight = fixed_plan(workload, batch=64, memory_bytes=8 * 2**20, world_size=1, policy="none")
-    assert (roomy.steps, roomy.micro_batch_size) == (1, 64)
-    assert tight.steps > 1
-    assert tight.micro_batch_size * tight.steps >= 64
-    assert tight.predicted_peak_bytes <= tight.budget_bytes
-    with pytest.raises(InfeasibleBudgetError) as raised:
-        fixed_plan(workload, batch=64, memory_bytes=tight.minimum_bytes - 1, world_size=1, policy="none")
-    assert raised.value.minimum_bytes == tight.minimum_bytes
-    # With checkpointing allowed ("auto"), a budget too small for plain activations still fits.
-    checkpointed = fixed_plan(
-        workload, batch=64, memory_bytes=tight.minimum_bytes - 1, world_size=1, policy="auto"
-    )
-    assert checkpointed.checkpoint_policy == "full"
-    assert checkpointed.minimum_bytes < tight.minimum_bytes
-
-
 # ------------------------------------------------------------------------------------------ bad input
 
 
@@ -299,9 +279,8 @@ def assert_clear_error(code: int, err: str, *fragments: str) -> None:
         assert fragment in last_line, (fragment, err)
 
 
-@pytest.mark.parametrize("planner", ["fixed", "auto"])
-def test_memory_below_the_minimum(tmp_path: Path, capsys: pytest.CaptureFixture[str], planner: str) -> None:
-    args = ("--model", "gpt-nano", "--batch", "8", "--planner", planner, "--memory", "10KiB")
+def test_memory_below_the_minimum(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ("--model", "gpt-nano", "--batch", "8", "--memory", "10KiB")
     code, _, err = run_train(*args, "--out", str(tmp_path / "r"), capsys=capsys)
     assert_clear_error(code, err, "--memory 10.00 KiB is below the minimum of")
     assert not (tmp_path / "r").exists()  # a run that cannot start leaves no folder behind
@@ -431,7 +410,7 @@ def _distributed_worker(rank: int, port: int, root: str) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        base = TrainConfig(model="gpt-nano", batch=8, memory=SMALL_MEMORY, eval_interval=2, planner="fixed")
+        base = TrainConfig(model="gpt-nano", batch=8, micro_batch=2, eval_interval=2)
         whole = train(dataclasses.replace(base, steps=4, out=os.path.join(root, "whole")))
         train(dataclasses.replace(base, steps=2, out=os.path.join(root, "halves")))
         resumed = train(dataclasses.replace(base, steps=4, out=os.path.join(root, "halves"), resume=True))

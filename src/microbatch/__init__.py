@@ -1,7 +1,8 @@
 """microbatch: train with the batch size your recipe asks for, on the memory you have.
 
 Exact gradient accumulation, activation checkpointing that is safe by default, and a planner
-that fits a target batch into a memory budget. See DESIGN.md for the contract.
+that fits a target batch into a memory budget. The architecture (data flow, each module's job,
+the invariants) is in docs/design.md.
 """
 
 from __future__ import annotations

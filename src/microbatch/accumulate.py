@@ -109,14 +109,18 @@ def _validate_steps_value(value: object, where: str) -> int:
     return value
 
 
-def _validate_items(items: object) -> float:
+def _validate_items(items: object) -> float | torch.Tensor:
+    """A number checked now, or a one-element tensor kept on its device (its value is checked once
+    per window, in step(), so that no micro-batch waits for the device: see _note_tensor_items)."""
     if isinstance(items, bool):
         raise ConfigError(f"items must be a positive count of samples or tokens, got {items!r}")
     if isinstance(items, torch.Tensor):
         if items.numel() != 1:
             raise ConfigError(f"items must be a single count, got a tensor of shape {tuple(items.shape)}")
-        value = float(items.item())
-    elif isinstance(items, (int, float)):
+        if items.requires_grad:
+            items = items.detach()
+        return items.reshape(())
+    if isinstance(items, (int, float)):
         value = float(items)
     else:
         raise ConfigError(f"items must be an int or a one-element tensor, got {type(items).__name__}")
@@ -154,11 +158,13 @@ class Accumulator:
     BatchNorm's momentum so a window of N micro-batches decays its running statistics like one update.
     """
 
-    # Window state, reset by _reset_window() after every step().
-    _items: float
+    # Window state, reset by _reset_window() after every step(). Counts given as device tensors stay
+    # tensors until step() reads them, once per window.
+    _items: float | torch.Tensor
     _loss_sum: torch.Tensor | float
     _micro_batches: int
-    _reference_items: float
+    _reference_items: float | torch.Tensor
+    _item_flags: torch.Tensor | None  # see _note_tensor_items
     _awaiting_step: bool
     _current: Micro | None
 
@@ -374,16 +380,16 @@ class Accumulator:
                     "backward() without items= needs the micro-batch from acc.iterate(loader); "
                     "pass items= (samples or tokens the loss averages over)"
                 )
-            items_value = float(batch_size_of(self._current.batch))
+            items_value: float | torch.Tensor = float(batch_size_of(self._current.batch))
         else:
             items_value = _validate_items(items)
 
         if padding:
             items_value = 0.0  # a repeated micro-batch that only keeps this rank in step
 
-        if self._micro_batches == 0:
-            self._reference_items = self._reference_count(items_value)
-        weighted = loss.reshape(()) * (items_value / self._reference_items)
+        sum_dtype = torch.float32 if loss.device.type == "mps" else torch.float64
+        items_value, weight = self._weight(items_value, loss, sum_dtype)
+        weighted = loss.reshape(()) * weight
         if self.scaler is not None:
             weighted = self.scaler.scale(weighted)
         # FSDP2 reduce-scatters in this backward only on a window's last micro-batch (or always when
@@ -396,21 +402,80 @@ class Accumulator:
             weighted.backward()
 
         if not padding:
-            self._items += items_value
+            self._items = self._items + items_value
             # Summed on the loss's device, no host sync per micro-batch; float64 where the device has it.
-            sum_dtype = torch.float32 if loss.device.type == "mps" else torch.float64
             self._loss_sum = self._loss_sum + loss.detach().reshape(()).to(sum_dtype) * items_value
+            if isinstance(items_value, torch.Tensor):
+                self._note_tensor_items(items_value, loss)
         self._micro_batches += 1
         if self._current is not None:
             self._awaiting_step = self._current.is_last
         else:
             self._awaiting_step = self._micro_batches >= self.steps_for(self.window)
 
-    def _reference_count(self, first_items: float) -> float:
+    def _weight(
+        self, items: float | torch.Tensor, loss: torch.Tensor, sum_dtype: torch.dtype
+    ) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+        """(items, items / R): a device count stays on the device, weighted there, read once per window."""
+        if isinstance(items, torch.Tensor):
+            items = items.to(device=loss.device, dtype=sum_dtype, non_blocking=True)
+        if self._micro_batches == 0:
+            self._reference_items = self._reference_count(items)
+        weight = items / self._reference_items
+        if isinstance(weight, torch.Tensor):
+            weight = weight.to(loss.dtype)
+        return items, weight
+
+    def _note_tensor_items(self, items: torch.Tensor, loss: torch.Tensor) -> None:
+        """Flag, on the device, a count that is negative, not finite or not whole (0), and an empty
+        micro-batch whose mean loss is not finite, 0/0 (1); step() reads the flags with the counts."""
+        bad = ~torch.isfinite(items) | (items < 0) | (items != torch.round(items))
+        empty = (items == 0) & ~torch.isfinite(loss.detach().reshape(()))
+        flags = torch.stack([bad, empty])
+        self._item_flags = flags if self._item_flags is None else self._item_flags | flags
+
+    def _read_window(self) -> tuple[float, float, float]:
+        """This rank's items, loss sum and R as numbers: one read from the device per window."""
+        values = [self._items, self._loss_sum, self._reference_items]
+        flags, self._item_flags = self._item_flags, None
+        on_device = [v for v in (*values, flags) if isinstance(v, torch.Tensor)]
+        if not on_device:
+            return float(values[0]), float(values[1]), float(values[2])
+        device = on_device[0].device
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        read = iter(
+            torch.cat([v.to(device=device, dtype=dtype).reshape(-1) for v in on_device]).cpu().tolist()
+        )
+        numbers = [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+        bad, empty = (next(read), next(read)) if flags is not None else (0.0, 0.0)
+        if bad or empty:
+            self._discard_window()
+            raise ConfigError(
+                f"window {self.window}: "
+                + (
+                    "an items count was negative, not finite or not a whole number"
+                    if bad
+                    else "a micro-batch with items=0 had a non-finite loss (0/0: no predicted tokens)"
+                )
+                + "; the window's gradients are discarded. Drop such micro-batches from the data"
+            )
+        return numbers[0], numbers[1], numbers[2]
+
+    def _discard_window(self) -> None:
+        for p in self._params:
+            p.grad = None
+        self._reset_window()
+
+    def _reference_count(self, first_items: float | torch.Tensor) -> float | torch.Tensor:
         """R: an estimate of this rank's window total, identical on all ranks (see module docstring)."""
         steps = self.steps_for(self.window)
         if self._items_per_micro is not None:
             return max(self._items_per_micro * steps, 1.0)
+        if isinstance(first_items, torch.Tensor):
+            estimate_tensor = (first_items * steps).clamp(min=1.0)
+            if self._data_parallel is not None:
+                distributed.all_reduce_max_(estimate_tensor)  # on the device: no host sync
+            return estimate_tensor
         estimate = first_items * steps
         if self._data_parallel is not None:
             # Averaged gradients must be weighted alike on every rank: agree once, on the first window.
@@ -432,7 +497,8 @@ class Accumulator:
                 f"{self.steps_for(self.window)} done); call it when micro.is_last, or pass partial=True "
                 "to end the window early"
             )
-        local = [self._items, float(self._loss_sum), float(self._micro_batches), float(self._has_more_local)]
+        items, loss_sum_local, reference = self._read_window()
+        local = [items, loss_sum_local, float(self._micro_batches), float(self._has_more_local)]
         if self._data_parallel is not None:
             # One all_reduce per window: global items T, loss sum, micro-batches, ranks with more data.
             total_items, loss_sum, total_micro_batches, self._ranks_with_more = distributed.all_reduce_values(
@@ -448,7 +514,7 @@ class Accumulator:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         grads = [p.grad for p in self._params if p.grad is not None]
-        factor = self._reference_items * averaged_over / total_items
+        factor = reference * averaged_over / total_items
         if grads and factor != 1.0:
             torch._foreach_mul_(grads, factor)
         grad_norm = self._clip_and_norm()
@@ -499,6 +565,7 @@ class Accumulator:
 
     def _reset_window(self) -> None:
         self._items = 0.0
+        self._item_flags = None
         self._loss_sum = 0.0
         self._micro_batches = 0
         self._reference_items = 1.0

@@ -268,28 +268,13 @@ def _offload_saved_inputs(*, copy_host_tensors: bool = False) -> torch.autograd.
     """Keep the tensors saved under this context in host memory until backward needs them.
 
     Around a checkpoint call the only tensors saved here are the block's inputs (the checkpoint's
-    own hooks take over inside the block). Device tensors are copied to pinned host memory when
-    CUDA is present (so the copies can overlap compute) and copied back on unpack. Host tensors stay
-    as they are unless ``copy_host_tensors`` (tests use it to exercise the round trip on CPU).
+    own hooks take over inside the block). The copies run on a side stream, and backward prefetches
+    the next block's input (microbatch.offload). Host tensors stay as they are unless
+    ``copy_host_tensors`` (tests use it to exercise the round trip on CPU).
     """
-    pin_memory = torch.cuda.is_available()
+    from .offload import saved_on_host
 
-    def pack(tensor: torch.Tensor) -> Any:
-        if tensor.device.type == "cpu" and not copy_host_tensors:
-            return tensor
-        host = torch.empty(
-            tensor.size(), dtype=tensor.dtype, layout=tensor.layout, device="cpu", pin_memory=pin_memory
-        )
-        host.copy_(tensor, non_blocking=pin_memory)
-        return (tensor.device, host)
-
-    def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        device, host = packed
-        return host.to(device, non_blocking=pin_memory)  # type: ignore[no-any-return]
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    return saved_on_host(copy_host_tensors=copy_host_tensors)
 
 
 class _RunningStatsGuard:

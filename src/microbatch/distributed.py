@@ -105,7 +105,8 @@ def init_from_env(*, backend: str | None = None, timeout_s: float = 1800.0) -> t
         torch.cuda.set_device(device)
     if is_initialized() or not launched_by_torchrun():
         return device
-    chosen = backend or ("nccl" if use_cuda else "gloo")
+    # NCCL for the gradients; gloo beside it for the control numbers (all_reduce_values).
+    chosen = backend or ("cpu:gloo,cuda:nccl" if use_cuda else "gloo")
     dist.init_process_group(
         backend=chosen,
         timeout=datetime.timedelta(seconds=timeout_s),
@@ -132,6 +133,7 @@ def wrap_data_parallel(model: nn.Module, device: torch.device) -> nn.Module:
 def destroy() -> None:
     """Leave the process group, if one was joined."""
     if is_initialized():
+        _CONTROL_GROUPS.clear()
         dist.destroy_process_group()
 
 
@@ -228,24 +230,46 @@ def gradient_sync(model: nn.Module, *, enabled: bool) -> Iterator[None]:
 # ---------------------------------------------------------------------- small collectives
 
 
-def _collective_device() -> torch.device:
-    # A backend that serves CPU tensors (gloo, or "cpu:gloo,cuda:nccl") avoids a device sync.
-    config = dist.get_backend_config()
-    if "gloo" in config or "cpu:" in config:
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+# The gloo group that carries control numbers beside an NCCL-only default group, by default group.
+_CONTROL_GROUPS: dict[int, Any] = {}
+
+
+def _control_group() -> Any | None:
+    """The group for control numbers, on CPU tensors so that no device work is waited for.
+
+    None (the default group) when that serves CPU tensors (gloo, or "cpu:gloo,cuda:nccl");
+    otherwise a gloo group over the same ranks, made at the first call. Every caller is itself a
+    collective that all ranks reach in the same order, which new_group requires.
+    """
+    if "gloo" in dist.get_backend_config():
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _CONTROL_GROUPS:
+        _CONTROL_GROUPS[key] = dist.new_group(backend="gloo")
+    return _CONTROL_GROUPS[key]
 
 
 def all_reduce_values(values: Sequence[float], *, op: Literal["sum", "max"] = "sum") -> list[float]:
     """Sum (or max) a few numbers over all ranks in one float64 all_reduce; identity when not distributed.
 
+    The numbers travel as a CPU tensor on a gloo group (_control_group), never through a device.
     float64 holds integer counts exactly up to 2**53, so global item counts stay exact.
     """
     if not is_initialized() or world_size() == 1:
         return list(values)
-    tensor = torch.tensor(list(values), dtype=torch.float64, device=_collective_device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    tensor = torch.tensor(list(values), dtype=torch.float64)
+    dist.all_reduce(
+        tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=_control_group()
+    )
     return [float(v) for v in tensor.tolist()]
+
+
+def all_reduce_max_(tensor: torch.Tensor) -> torch.Tensor:
+    """The element-wise max over ranks, in place, on the tensor's own device and the default group
+    (queued like any collective: the host does not wait). Identity when not distributed."""
+    if is_initialized() and world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
 
 
 # ---------------------------------------------------------------------- launching (tests, benchmarks)

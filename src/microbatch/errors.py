@@ -8,7 +8,8 @@ Every message names the argument that is wrong and says what to do instead.
     ├── WorkloadError(ValueError)        a model spec that cannot be loaded or used
     ├── CheckpointError(ValueError)      activation checkpointing asked for something impossible
     ├── InfeasibleBudgetError(ValueError)  no plan fits the memory budget (says the minimum)
-    └── ResumeError(RuntimeError)        a run folder or checkpoint that cannot be resumed
+    ├── ResumeError(RuntimeError)        a run folder or checkpoint that cannot be resumed
+    └── TrainingError(RuntimeError)      a run that cannot go on (all steps skipped, disk full)
 """
 
 from __future__ import annotations
@@ -48,3 +49,7 @@ class InfeasibleBudgetError(MicrobatchError, ValueError):
 
 class ResumeError(MicrobatchError, RuntimeError):
     """A checkpoint or run folder cannot be resumed."""
+
+
+class TrainingError(MicrobatchError, RuntimeError):
+    """A training run cannot go on: every step is skipped, or its checkpoint cannot be written."""

@@ -45,12 +45,26 @@ def device_memory_bytes(device: torch.device | str | None = None) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+def fraction_base_bytes(device: torch.device | str | None = None) -> int:
+    """What a fractional budget is a fraction of: a CUDA device's free memory now, else the total.
+
+    On CUDA, free counts what this process's caching allocator holds (the model already loaded, its
+    cache) as well as what the driver reports free: both are this process's to plan with.
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        return int(free_bytes) + int(torch.cuda.memory_reserved(device))
+    return device_memory_bytes(device)
+
+
 def parse_bytes(
     size: str | int | float, *, device: torch.device | str | None = None, name: str = "memory"
 ) -> int:
     """Bytes from "8GiB", "300MiB", "1.5G" (SI: G = 10^9, GiB = 2^30), an int, or a fraction in (0, 1].
 
-    A float in (0, 1] (or such a string, "0.8") means that fraction of ``device``'s memory.
+    A float in (0, 1] (or such a string, "0.8") means that fraction of ``device``'s memory: on CUDA
+    of the memory free now (cudaMemGetInfo), elsewhere of the total (fraction_base_bytes).
     """
     if isinstance(size, bool):
         raise ConfigError(f"{name} must be a size like '8GiB', got {size!r}")
@@ -69,7 +83,7 @@ def parse_bytes(
         if not math.isfinite(size) or size <= 0:
             raise ConfigError(f"{name} must be positive and finite, got {size!r}")
         if size <= 1:
-            return int(size * device_memory_bytes(device))
+            return int(size * fraction_base_bytes(device))
         value = size
     elif isinstance(size, int):
         value = size
@@ -110,6 +124,7 @@ class _Storage:
     category: str
     seq: int  # allocation order; a storage with seq <= peak_seq that is still alive was alive at the peak
     ref: weakref.ref[torch.UntypedStorage]
+    event: int = 0  # its number in allocation_events (from 1), when recorded
 
 
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:
@@ -150,6 +165,9 @@ class _LiveStorageMode(TorchDispatchMode):
 class MemoryTracker:
     """Peak live tensor bytes on one device over a ``with`` block, by category.
 
+    The device: ``device`` when given, else the model's (or the optimizer's), else that of the first
+    tensor an op inside the block uses.
+
     Every storage is counted once, however many tensors view it. Categories: parameters (with
     buffers), gradients (``.grad`` of parameters), optimizer state (tensors an optimizer keeps in
     ``optimizer.state`` after ``step()``), saved activations (tensors autograd saved for backward),
@@ -175,14 +193,22 @@ class MemoryTracker:
         *,
         model: torch.nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        record_allocations: bool = False,
     ) -> None:
+        # Without device=, the model's (or the optimizer's) device; failing those, the device of the
+        # first tensor the block uses. Never "the GPU because one exists": a CPU model on a GPU
+        # machine is tracked on the CPU.
+        self._device_from_first_tensor = False
         if device is None:
-            device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            device = _device_of(model, optimizer)
+            self._device_from_first_tensor = device is None
+        self.device = _resolved(torch.device(device) if device is not None else torch.device("cpu"))
         self._model = model
         self._optimizer = optimizer
+        # With record_allocations: n >= 0 for a storage of n bytes first seen, -k when the k-th is
+        # freed (what microbatch.allocator.replay takes, to state the peak in CUDA reserved bytes).
+        self.allocation_events: list[int] | None = [] if record_allocations else None
+        self._allocations = 0
         self.peak_bytes = 0
         self.breakdown: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.cuda_max_allocated_bytes: int | None = None
@@ -271,6 +297,11 @@ class MemoryTracker:
 
     def _on_device(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
         device = tensor.device
+        if self._device_from_first_tensor and device.type != "meta":
+            self._device_from_first_tensor = False
+            self.device = _resolved(device)
+            if self.device.type == "cuda" and self._stack is not None:
+                torch.cuda.reset_peak_memory_stats(self.device)
         if device.type != self.device.type or (
             self.device.index is not None and device.index is not None and device.index != self.device.index
         ):
@@ -299,6 +330,10 @@ class MemoryTracker:
         nbytes = self._storage_bytes(storage)
         self._seq += 1
         entry = _Storage(nbytes, category, self._seq, weakref.ref(storage, self._freed_callback(key)))
+        if self.allocation_events is not None:
+            self.allocation_events.append(int(storage.nbytes()))
+            self._allocations += 1
+            entry.event = self._allocations
         self._live[key] = entry
         self._totals[category] += nbytes
         self._current_bytes += nbytes
@@ -307,6 +342,8 @@ class MemoryTracker:
     def _freed_callback(self, key: int) -> Callable[[Any], None]:
         def freed(_: Any) -> None:
             entry = self._live.pop(key, None)
+            if entry is not None and entry.event and self.allocation_events is not None:
+                self.allocation_events.append(-entry.event)
             if entry is not None:
                 self._totals[entry.category] -= entry.nbytes
                 self._current_bytes -= entry.nbytes
@@ -406,3 +443,21 @@ class MemoryTracker:
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _device_of(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> torch.device | None:
+    """The device of the model's first parameter or buffer, else of the optimizer's first parameter."""
+    if model is not None:
+        for tensor in [*model.parameters(), *model.buffers()]:
+            return tensor.device
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                return torch.device(parameter.device)
+    return None
+
+
+def _resolved(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -80,11 +80,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _suite_scripts(benchmarks: Path) -> list[Path]:
-    return [
-        path
-        for path in sorted(benchmarks.glob("*.py"))
-        if path.stem not in NOT_SUITES and not path.stem.startswith(("_", "test_"))
-    ]
+    """Suites: scripts benchmarks/NAME.py, and packages benchmarks/NAME/ with a __main__.py."""
+    scripts = [*benchmarks.glob("*.py"), *(path.parent for path in benchmarks.glob("*/__main__.py"))]
+    return sorted(
+        (
+            path
+            for path in scripts
+            if path.stem not in NOT_SUITES and not path.stem.startswith(("_", "test_"))
+        ),
+        key=lambda path: path.stem,
+    )
+
+
+def _suite_path(root: Path, suite: str) -> Path:
+    """What python runs for ``suite``: its script, or its package folder (python runs __main__.py)."""
+    package = root / "benchmarks" / suite
+    return package if (package / "__main__.py").is_file() else root / "benchmarks" / f"{suite}.py"
 
 
 def find_root(explicit: str | os.PathLike[str] | None = None, *, cwd: Path | None = None) -> Path:
@@ -176,7 +187,7 @@ def run_suite(
     """Run one suite's script; its JSON object, or {"error": ...} when it failed."""
     command = [
         sys.executable,
-        str(Path("benchmarks") / f"{suite}.py"),
+        str(_suite_path(root, suite).relative_to(root)),
         "--json",
         *(["--quick"] if quick else []),
     ]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
 from ..devices import device_spec, devices
-from ..errors import UsageError
+from ..errors import ConfigError, UsageError
 from ..hf.configs import (
     ARCHITECTURES,
     OPTIMIZERS,
@@ -36,7 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--memory",
         required=True,
-        help="peak memory budget per rank: '8GiB', '300MiB', bytes, or a fraction of the device such as 0.8",
+        help=(
+            "peak memory budget per rank: '8GiB', '300MiB', bytes, or a fraction such as 0.8. On CUDA: peak "
+            "reserved bytes of the caching allocator + what is measured outside it (context, cuBLAS/cuDNN "
+            "workspaces, NCCL), and a fraction is of the free memory at plan time; on CPU: peak live tensor "
+            "bytes; with --world-size > 1 DDP's gradient buckets count too"
+        ),
     )
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     parser.add_argument(
@@ -53,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_device_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--plot", metavar="PATH", help="draw the frontier (peak vs time per step) to PATH")
+    parser.add_argument(
+        "--out",
+        metavar="PLAN.json",
+        help="save the plan (Plan.load reads it; microbatch train --plan PLAN.json uses it)",
+    )
 
 
 def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,7 +134,17 @@ class _Progress:
             print("\r" + " " * 78 + "\r", end="", file=sys.stderr, flush=True)
 
 
+def _check_output(flag: str, path: str | None) -> None:
+    """Refuse an output path that cannot be written before planning, not after (the plan would be lost)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK) or os.path.isdir(path):
+        raise ConfigError(f"{flag} {path!r}: cannot write there; choose a file in a folder you can write to")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_output("--out", args.out)
     blocks = (
         "auto" if args.blocks == "auto" else [name.strip() for name in args.blocks.split(",") if name.strip()]
     )
@@ -153,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         progress.close()
+    if args.out:
+        result.save(args.out)
     if args.plot:
         save_frontier_plot(result, args.plot)
     if args.json:
@@ -161,4 +184,6 @@ def run(args: argparse.Namespace) -> int:
         print(result)
         if args.plot:
             print(f"frontier plot: {args.plot}")
+        if args.out:
+            print(f"plan saved: {args.out}")
     return 0

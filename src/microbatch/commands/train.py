@@ -14,10 +14,12 @@ from typing import Any, TextIO
 from .. import distributed
 from ..memory import format_bytes
 from ..models.gpt import GPT_SIZES
-from ..training import DEFAULT_CPU_MEMORY, StepReport, TrainConfig, TrainPlan, resume_config, train
-from ..training.config import CHECKPOINT_POLICIES, LR_SCALINGS, PLANNERS, PRECISIONS
+from ..planner import Plan
+from ..training import DEFAULT_CPU_MEMORY, StepReport, TrainConfig, resume_config, train
+from ..training.config import CHECKPOINT_POLICIES, DEFAULT_MAX_SKIPPED_WINDOWS, LR_SCALINGS, PRECISIONS
 from ..training.plan import CUDA_FREE_MEMORY_FRACTION
 from ..training.run_folder import latest_run_dir
+from ..training.signals import exit_status
 from ..training.tokens import parse_max_tokens
 
 _DEFAULTS = TrainConfig()
@@ -32,7 +34,8 @@ _CONFIG_FLAGS = (
     "nominal_batch",
     "lr_scaling",
     "checkpoint_policy",
-    "planner",
+    "micro_batch",
+    "plan",
     "out",
     "seed",
     "eval_interval",
@@ -52,16 +55,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"Memory budget without --memory: on CUDA {CUDA_FREE_MEMORY_FRACTION:.0%} of the GPU memory free "
         f"at start; on the CPU {DEFAULT_CPU_MEMORY} (the CPU has no allocator to ask and shares its "
         "RAM with everything else, so the default is a small, GPU-like budget under which the default "
-        "run plans accumulation; pass --memory to use more)."
+        "run plans accumulation; pass --memory to use more).\n\n"
+        "SIGINT (Ctrl-C) or SIGTERM (a scheduler) finishes the optimizer step in progress, saves the "
+        "checkpoint and summary.json, prints the resume command and exits 130 / 143; a second signal "
+        "stops at once (the last checkpoint stays intact). An out-of-memory error during training "
+        "re-plans smaller and runs the same step again. "
+        f"{DEFAULT_MAX_SKIPPED_WINDOWS} skipped optimizer steps in a row (non-finite gradients) stop "
+        "the run with an error."
     )
-    add = parser.add_argument
+    _add_run_arguments(parser.add_argument)
+    _add_plan_arguments(parser.add_argument)
+    _add_output_arguments(parser.add_argument)
+
+
+def _add_run_arguments(add: Any) -> None:
     add("--model", help=f"built-in model size: {', '.join(GPT_SIZES)} (default {_DEFAULTS.model})")
     add(
         "--batch",
         type=int,
         help=f"effective batch in sequences per optimizer step (default {_DEFAULTS.batch})",
     )
-    add("--memory", help="peak memory budget, e.g. 300MiB, 8GiB, or 0.5 of the device (default: see above)")
+    add(
+        "--memory",
+        help=(
+            "peak memory budget, e.g. 300MiB, 8GiB, or 0.5 of the device (default: see above). On CUDA: peak "
+            "reserved bytes of the caching allocator + what is measured outside it (context, workspaces, "
+            "NCCL; a fraction is of the free memory); on CPU: peak live tensor bytes"
+        ),
+    )
     add("--steps", type=int, help=f"optimizer steps in total (default {_DEFAULTS.steps})")
     add("--lr", type=float, help="peak learning rate (default: tuned per model size, e.g. 3e-3 for gpt-mini)")
     add("--precision", choices=list(PRECISIONS), help="fp32, or bf16 / fp16 autocast (fp16 with GradScaler)")
@@ -72,20 +93,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "ramps up over the warmup (Ultralytics' nbs)",
     )
     add("--lr-scaling", choices=list(LR_SCALINGS), help="scale the lr from --nominal-batch to --batch")
+    add("--seed", type=int, help=f"seed for the weights and the data order (default {_DEFAULTS.seed})")
+    add("--device", help="torch device, e.g. cpu or cuda:1 (default: CUDA when there is one)")
+
+
+def _add_plan_arguments(add: Any) -> None:
     add(
         "--checkpoint-policy",
         choices=list(CHECKPOINT_POLICIES),
-        help="activation checkpointing: auto (the planner decides per block), or none, full or selective "
-        "for every block (the micro-batch size then comes from the fixed rule; default auto)",
+        help="activation checkpointing: auto (the planner decides per block), or the one policy the "
+        "planner may use (none, full, selective); with --micro-batch, the policy of every block "
+        "(default auto)",
     )
     add(
-        "--planner",
-        choices=list(PLANNERS),
-        help="auto: microbatch's planner (profiles the model, proves the plan in one trial window); "
-        "fixed: a quick rule from one measured forward (default auto)",
+        "--micro-batch",
+        type=int,
+        help="choose the micro-batch size yourself (Plan.manual: no profiling, nothing predicted); "
+        "steps = batch / micro-batch, rounded up",
     )
+    add(
+        "--plan",
+        metavar="PLAN.json",
+        help="use a saved plan (microbatch plan ... --out, or a run's plan.json)",
+    )
+    add(
+        "--no-trial",
+        dest="trial",
+        action="store_false",
+        default=None,
+        help="do not prove the plan in a real trial window (planner or --plan)",
+    )
+
+
+def _add_output_arguments(add: Any) -> None:
     add("--out", help="run folder (default runs/MODEL-DATE-TIME; with --resume, the latest run in runs/)")
-    add("--seed", type=int, help=f"seed for the weights and the data order (default {_DEFAULTS.seed})")
     add(
         "--resume",
         action="store_true",
@@ -93,7 +134,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--eval-interval", type=int, help="steps between validation losses (default steps/5, at most 50)")
     add("--checkpoint-interval", type=int, help="steps between checkpoints (default max(eval interval, 50))")
-    add("--device", help="torch device, e.g. cpu or cuda:1 (default: CUDA when there is one)")
     add(
         "--max-tokens",
         type=parse_max_tokens,
@@ -147,6 +187,8 @@ class ProgressLine:
 def build_config(args: argparse.Namespace) -> TrainConfig:
     """TrainConfig from the flags; with --resume, the run's saved config with the flags given on top."""
     given = {name: getattr(args, name) for name in _CONFIG_FLAGS if getattr(args, name) is not None}
+    if args.trial is not None:
+        given["trial"] = args.trial
     if args.resume:
         run_dir = given.pop("out", None) or latest_run_dir()
         return resume_config(run_dir, **given)
@@ -190,20 +232,21 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         if progress is not None:
             progress.close()
+    status = exit_status(summary.stopped_by) if summary.interrupted else 0
     if not rank_zero:
-        return 130 if summary.interrupted else 0
+        return status
     if args.json:
         output: dict[str, Any] = summary.to_dict()
         output["wall_seconds"] = time.perf_counter() - started
         print(json.dumps(output, indent=2, sort_keys=True))
     else:
         print(summary)
-        print(f"plan: {TrainPlan(**summary.plan)}")
+        print(f"plan: {Plan.from_dict(summary.plan).headline()}")
     if summary.interrupted:
         print(
-            f"microbatch train: interrupted at step {summary.steps_done}/{summary.total_steps}; checkpoint "
+            f"microbatch train: {summary.stopped_by or 'interrupted'} at step "
+            f"{summary.steps_done}/{summary.total_steps}; checkpoint "
             f"saved in {summary.checkpoint}. Resume with: {_resume_command(summary.run_dir)}",
             file=sys.stderr,
         )
-        return 130
-    return 0
+    return status

@@ -132,8 +132,8 @@ def _accepts_use_cache(model: nn.Module) -> bool:
     return "use_cache" in parameters
 
 
-def causal_lm_loss(model: nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
-    """(the model's own token-mean loss, the number of tokens it averages over) for one batch.
+def causal_lm_loss(model: nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the model's own token-mean loss, the number of tokens it averages over, a tensor) for one batch.
 
     Calls ``model(**batch, labels=labels)`` without ``num_items_in_batch`` (so the loss is the
     micro-batch's mean) and with ``use_cache=False`` (a training forward never reads a cache).
@@ -145,16 +145,10 @@ def causal_lm_loss(model: nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Te
         )
     labels = _labels_of(batch)
     shift_labels = batch.get("shift_labels")
-    items = (
-        count_causal_lm_items(shift_labels, shifted=True)
-        if shift_labels is not None
-        else count_causal_lm_items(labels)
-    )
-    if items == 0:
-        raise WorkloadError(
-            "a micro-batch has no predicted tokens (every labels[..., 1:] is -100), so its mean loss is "
-            "0/0; drop sequences shorter than two tokens from the data"
-        )
+    # The count stays on the device (no host sync per micro-batch). A micro-batch with no predicted
+    # token has a 0/0 loss: the Accumulator refuses it when the window ends, with both read at once.
+    counted = shift_labels if shift_labels is not None else labels[..., 1:]
+    items = (counted != IGNORE_INDEX).sum()
     inputs = {key: value for key, value in batch.items() if key not in _NOT_MODEL_INPUTS}
     inputs["labels"] = labels
     if _accepts_use_cache(model):

@@ -181,8 +181,8 @@ class GPT(nn.Module):
 
 def token_loss(
     logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
-) -> tuple[torch.Tensor, int]:
-    """Mean cross entropy over the targets that are not ``ignore_index``, and their count.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross entropy over the targets that are not ``ignore_index``, and their count (a tensor).
 
     ``targets`` are already shifted (targets[t] is the token after input t). With no counted
     target the loss is a zero that still depends on ``logits``, so backward works and adds nothing.
@@ -191,5 +191,7 @@ def token_loss(
     if flat_logits.dtype in (torch.float16, torch.bfloat16):
         flat_logits = flat_logits.float()  # log-softmax in float32 under autocast
     losses_sum = F.cross_entropy(flat_logits, targets.reshape(-1), ignore_index=ignore_index, reduction="sum")
-    num_tokens = int((targets != ignore_index).sum())
-    return losses_sum / max(num_tokens, 1), num_tokens
+    # The count stays a tensor on the logits' device: reading it here would make the host wait for
+    # the device on every micro-batch (the Accumulator reads counts once per window).
+    num_tokens = (targets != ignore_index).sum()
+    return losses_sum / num_tokens.clamp(min=1), num_tokens

@@ -26,7 +26,7 @@ def build_seeded(factory: Any, seed: int) -> Any:
         return factory()
 
 
-def gpt_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+def gpt_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean next-byte cross entropy over the counted tokens, and their count."""
     return token_loss(model(batch["input_ids"]), batch["labels"], ignore_index=IGNORE_INDEX)
 

@@ -1,10 +1,18 @@
-"""The planner's result: ``Plan``, its alternatives (``FrontierPoint``), and ``Plan.apply``."""
+"""The planner's result: ``Plan``, its alternatives (``FrontierPoint``), and ``Plan.apply``.
+
+There is one plan type for the library, the CLI and ``microbatch train``. The planner makes it
+(``mb.plan``); a user who knows the micro-batch size makes it with ``Plan.manual``; a saved one
+comes back with ``Plan.load`` (the JSON of ``plan.save``, also each run folder's plan.json).
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import os
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -17,6 +25,10 @@ from ..errors import ConfigError
 from ..memory import format_bytes
 
 NONE = "none"
+# print(plan) shows this many frontier rows around the chosen one; to_dict() holds them all.
+SHOWN_FRONTIER_ROWS = 10
+# The attribute of a model that a plan's apply() marks (holding the checkpoint handle, or None).
+_APPLIED = "_microbatch_applied_plan"
 
 
 def summarize_policies(block_policies: Sequence[tuple[str, str]]) -> str:
@@ -91,6 +103,9 @@ class Plan:
     planning_seconds: float = 0.0
     notes: tuple[str, ...] = ()
     max_tokens: int | None = None  # padded tokens per micro-batch, for variable-length workloads
+    parameters: int | None = None  # the model's parameter count, checked when a plan is reused
+    device: str | None = None  # the device type it was made for ("cuda", "cpu", ...)
+    source: str = "planner"  # "planner", or "manual" (Plan.manual)
     simulated: bool = False  # predicted under fake tensors for device_name; no trial ran
     device_name: str = ""
     shard: str = "none"  # data parallelism across world_size ranks: none, ddp or fsdp
@@ -134,9 +149,45 @@ class Plan:
 
         ``accumulator_options`` go to Accumulator (scheduler, max_grad_norm, scaler, ...). Feed it
         micro-batches of ``micro_batch_sizes`` (``plan.split(batch)`` cuts a rank's batch).
+        ``plan.remove(model)`` undoes the checkpointing; applying a plan to a model that already has
+        one applied raises ConfigError (remove it first).
         """
-        self.checkpoint(model)
+        if _APPLIED in model.__dict__:
+            raise ConfigError(
+                "plan.apply(model, ...): this model already has a plan applied; call plan.remove(model) "
+                "first, then apply the new plan"
+            )
+        handle = self.checkpoint(model)
+        model.__dict__[_APPLIED] = handle
         return Accumulator(model, optimizer, steps=self.steps, **accumulator_options)
+
+    def remove(self, model: nn.Module) -> None:
+        """Undo ``apply``: the model's blocks are plain again. A model with no plan applied is left as is."""
+        handle = model.__dict__.pop(_APPLIED, None)
+        if handle is not None:
+            handle.remove()
+
+    def check_model(self, model: nn.Module, *, device: torch.device | str | None = None) -> None:
+        """Raise ConfigError unless ``model`` (and ``device``) is what this plan was made for.
+
+        Checked: every block the plan names exists, the parameter count, the device type.
+        """
+        modules = dict(model.named_modules())
+        missing = [name for name, _ in self.block_policies if name not in modules]
+        count = sum(parameter.numel() for parameter in model.parameters())
+        problems = []
+        if missing:
+            problems.append(f"the model has no block(s) {', '.join(map(repr, missing[:3]))}")
+        if self.parameters is not None and count != self.parameters:
+            problems.append(f"the model has {count:,} parameters, the plan's model {self.parameters:,}")
+        device_type = torch.device(device).type if device is not None else None
+        if self.device is not None and device_type is not None and device_type != self.device:
+            problems.append(f"the device is {device_type}, the plan was made for {self.device}")
+        if problems:
+            raise ConfigError(
+                f"this plan was made for another model ({self.workload}): {'; '.join(problems)}. "
+                "Plan for this model instead (mb.plan, or microbatch plan ... --out plan.json)"
+            )
 
     def split(self, batch: Any) -> list[Any]:
         """A rank's batch of ``sum(micro_batch_sizes)`` samples cut into the plan's micro-batches."""
@@ -165,12 +216,136 @@ class Plan:
             "planning_seconds": self.planning_seconds,
             "notes": list(self.notes),
             "max_tokens": self.max_tokens,
+            "parameters": self.parameters,
+            "device": self.device,
+            "source": self.source,
             "simulated": self.simulated,
             "device_name": self.device_name,
             "shard": self.shard,
             "rank_parts": dict(self.rank_parts),
             "estimates": dict(self.estimates),
         }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """The plan ``to_dict`` wrote; ConfigError naming what is missing or malformed."""
+        try:
+            values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+            values["micro_batch_sizes"] = tuple(int(size) for size in data["micro_batch_sizes"])
+            values["block_policies"] = tuple((str(k), str(v)) for k, v in dict(data["policies"]).items())
+            values["peak_parts"] = tuple(
+                (str(k), int(v)) for k, v in dict(data.get("peak_parts", {})).items()
+            )
+            values["frontier"] = tuple(
+                FrontierPoint(
+                    micro_batch_size=int(point["micro_batch_size"]),
+                    steps=int(point["steps"]),
+                    block_policies=tuple((str(k), str(v)) for k, v in dict(point["policies"]).items()),
+                    predicted_peak_bytes=int(point["predicted_peak_bytes"]),
+                    seconds_per_step=float(point["seconds_per_step"]),
+                )
+                for point in data.get("frontier", [])
+            )
+            values["notes"] = tuple(str(note) for note in data.get("notes", []))
+            for name in ("rank_parts", "estimates"):  # simulated / sharded plans: name -> bytes
+                values[name] = tuple((str(k), int(v)) for k, v in dict(data.get(name, {})).items())
+            return cls(**values)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ConfigError(
+                f"not a microbatch plan ({type(error).__name__}: {error}); write one with plan.save(path) "
+                "or microbatch plan ... --out plan.json"
+            ) from error
+
+    def to_json(self) -> str:
+        """``to_dict()`` as JSON, keys in their own order (the block order is the model's)."""
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan as JSON (the same as a run folder's plan.json); ``Plan.load`` reads it back."""
+        with open(path, "w") as file:
+            file.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """The plan saved at ``path``; ConfigError naming the file when it is missing or not a plan."""
+        try:
+            with open(path) as file:
+                data = json.load(file)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"plan {os.fspath(path)!r} cannot be read: {error}") from error
+        if not isinstance(data, dict):
+            raise ConfigError(f"plan {os.fspath(path)!r} is not a microbatch plan (a JSON object)")
+        try:
+            return cls.from_dict(data)
+        except ConfigError as error:
+            raise ConfigError(f"plan {os.fspath(path)!r}: {error}") from error
+
+    @classmethod
+    def manual(
+        cls,
+        *,
+        batch_size: int,
+        micro_batch_size: int,
+        policies: Mapping[str, str] | None = None,
+        world_size: int = 1,
+        workload: str = "manual",
+        budget_bytes: int = 0,
+        parameters: int | None = None,
+        device: str | None = None,
+    ) -> Plan:
+        """A plan the user chose: micro-batches of ``micro_batch_size`` (the last one shorter when it
+        does not divide the rank's batch), ``policies`` block name -> policy (default none).
+
+        Nothing is measured or predicted (predicted peak and time are 0, there is no frontier):
+        the user vouches that it fits. steps = ceil(batch_size / world_size / micro_batch_size).
+        """
+        for name, value in (("batch_size", batch_size), ("micro_batch_size", micro_batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
+        if batch_size % world_size:
+            raise ConfigError(f"batch_size={batch_size} is not divisible by world_size={world_size}")
+        per_rank = batch_size // world_size
+        size = min(micro_batch_size, per_rank)
+        steps = math.ceil(per_rank / size)
+        sizes = tuple([size] * (steps - 1) + [per_rank - size * (steps - 1)])
+        return cls(
+            workload=workload,
+            batch_size=batch_size,
+            world_size=world_size,
+            micro_batch_size=size,
+            steps=steps,
+            micro_batch_sizes=sizes,
+            block_policies=tuple((dict(policies) if policies else {}).items()),
+            budget_bytes=budget_bytes,
+            predicted_peak_bytes=0,
+            measured_peak_bytes=None,
+            predicted_seconds_per_step=0.0,
+            peak_parts=(),
+            frontier=(),
+            parameters=parameters,
+            device=device,
+            source="manual",
+        )
+
+    def headline(self) -> str:
+        """One line: the split, the checkpointing, the predicted (and measured) peak and the budget."""
+        sizes = self.micro_batch_sizes
+        split = f"{self.micro_batch_size} x {self.steps}"
+        if len(sizes) > 1 and sizes[-1] != sizes[0]:
+            split = f"{self.micro_batch_size} x {self.steps - 1} + {sizes[-1]}"
+        ranks = f" x {self.world_size} ranks" if self.world_size > 1 else ""
+        head = (
+            f"batch {self.batch_size} = micro-batch {split}{ranks}; {summarize_policies(self.block_policies)}"
+        )
+        if self.source == "manual":
+            return f"{head}; manual plan (nothing predicted)"
+        measured = f", measured {format_bytes(self.measured_peak_bytes)}" if self.measured_peak_bytes else ""
+        return (
+            f"{head}; predicted peak {format_bytes(self.predicted_peak_bytes)}{measured} "
+            f"of {format_bytes(self.budget_bytes)}"
+        )
 
     def __str__(self) -> str:
         sizes = self.micro_batch_sizes
@@ -183,8 +358,14 @@ class Plan:
             if self.measured_peak_bytes is not None
             else ""
         )
+        head = f"Plan for {self.workload}: batch {self.batch_size} = micro-batch {split}{ranks}"
+        if self.source == "manual":
+            return "\n".join(
+                [f"{head} (manual: nothing predicted)"]
+                + [f"  {name:<28} {policy}" for name, policy in self.block_policies]
+            )
         lines = [
-            f"Plan for {self.workload}: batch {self.batch_size} = micro-batch {split}{ranks}",
+            head,
             f"  budget {format_bytes(self.budget_bytes)}: "
             f"predicted peak {format_bytes(self.predicted_peak_bytes)}{measured}",
             f"  predicted {self.predicted_seconds_per_step:.3g} s per optimizer step, "
@@ -200,20 +381,36 @@ class Plan:
         ]
         lines.extend(f"  {name:<28} {policy}" for name, policy in self.block_policies)
         lines.extend(_report_lines(self))
-        lines += ["", "Frontier (no alternative is both faster and smaller; * = chosen):"]
-        lines.append(f"    {'micro':>6} {'steps':>6}  {'policies':<28} {'peak':>10} {'s/step':>9}")
-        for point in self.frontier:
-            chosen = (
-                point.micro_batch_size == self.micro_batch_size
+        lines.extend(self._frontier_lines())
+        lines.extend(f"note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+    def _frontier_lines(self) -> list[str]:
+        """At most SHOWN_FRONTIER_ROWS frontier rows, centred on the chosen plan."""
+        if not self.frontier:
+            return []
+        chosen_index = next(
+            (
+                index
+                for index, point in enumerate(self.frontier)
+                if point.micro_batch_size == self.micro_batch_size
                 and point.block_policies == self.block_policies
-            )
+            ),
+            0,
+        )
+        start = max(0, min(chosen_index - SHOWN_FRONTIER_ROWS // 2, len(self.frontier) - SHOWN_FRONTIER_ROWS))
+        shown = self.frontier[start : start + SHOWN_FRONTIER_ROWS]
+        lines = ["", "Frontier (no alternative is both faster and smaller; * = chosen):"]
+        lines.append(f"    {'micro':>6} {'steps':>6}  {'policies':<28} {'peak':>10} {'s/step':>9}")
+        for index, point in enumerate(shown, start=start):
             lines.append(
-                f"  {'*' if chosen else ' '} {point.micro_batch_size:>6} {point.steps:>6}  "
+                f"  {'*' if index == chosen_index else ' '} {point.micro_batch_size:>6} {point.steps:>6}  "
                 f"{summarize_policies(point.block_policies):<28} "
                 f"{format_bytes(point.predicted_peak_bytes):>10} {point.seconds_per_step:>9.3g}"
             )
-        lines.extend(f"note: {note}" for note in self.notes)
-        return "\n".join(lines)
+        if len(shown) < len(self.frontier):
+            lines.append(f"    ... {len(self.frontier)} rows in all (to_dict(), --json, --plot)")
+        return lines
 
 
 def _report_lines(plan: Plan) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from ..memory import format_bytes
 from .plan import Plan
@@ -44,6 +45,21 @@ def save_frontier_plot(
         linestyle="--",
         label=f"budget {format_bytes(plan.budget_bytes)}",
     )
+    _draw_chosen(axes, plan)
+    for label, seconds, peak_bytes in baselines:
+        axes.plot([seconds], [peak_bytes / MIB], marker="x", markersize=8, linestyle="none", label=label)
+    axes.set_xlabel("time per optimizer step (s)")
+    axes.set_ylabel("peak memory (MiB)")
+    axes.set_title(
+        title or f"{plan.workload}: batch {plan.batch_size}, plans that no other beats on both axes"
+    )
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize="small")
+    figure.savefig(path, dpi=120)
+
+
+def _draw_chosen(axes: Any, plan: Plan) -> None:
+    """The chosen plan as a star at its predicted peak, and a bar at its measured one."""
     axes.plot(
         [plan.predicted_seconds_per_step],
         [plan.predicted_peak_bytes / MIB],
@@ -63,13 +79,3 @@ def save_frontier_plot(
             linestyle="none",
             label="chosen: measured peak",
         )
-    for label, seconds, peak_bytes in baselines:
-        axes.plot([seconds], [peak_bytes / MIB], marker="x", markersize=8, linestyle="none", label=label)
-    axes.set_xlabel("time per optimizer step (s)")
-    axes.set_ylabel("peak memory (MiB)")
-    axes.set_title(
-        title or f"{plan.workload}: batch {plan.batch_size}, plans that no other beats on both axes"
-    )
-    axes.grid(True, alpha=0.3)
-    axes.legend(fontsize="small")
-    figure.savefig(path, dpi=120)

@@ -21,6 +21,15 @@ whose two-phase peak fits: exact when the steady phase bounds the first, as with
 checkpointing. Only the smallest b for each N is searched: with time linear in b, N
 micro-batches cost N * a + k * B_rank whatever their split, and the smallest b needs the least
 memory; every other b is dominated.
+
+Ties: predicted times are fits of measured ones, which repeat only to within the profile's noise
+n = Profile.time_noise. Two plans' times can each be off by n in opposite directions, so plans
+whose predicted times differ by less than 2 n (at least MIN_TIE_FRACTION) are not told apart by
+the measurement: every fitting plan within that fraction of the fastest is a tie, and ties are
+broken by a fixed rule (``tie_key``): fewer recomputed FLOPs (each checkpointed block weighs by
+the share of its forward it recomputes, RECOMPUTE_FLOOR), then the larger micro-batch, then
+fewer steps. So the same command on the same machine gives the same plan
+although its timings differ from run to run.
 """
 
 from __future__ import annotations
@@ -42,6 +51,9 @@ SAFETY_MARGIN = 0.01
 # Least extra time per policy, as a fraction of the block's forward: full and offload recompute
 # the whole forward; selective recomputes its cheap ops, taken as at least a tenth of it.
 RECOMPUTE_FLOOR = {"full": 1.0, "offload": 1.0, "selective": 0.1}
+# Predicted times closer than this fraction are ties even when the profile's timings repeated
+# more closely: their spread between separate runs of the planner is larger than within one.
+MIN_TIE_FRACTION = 0.05
 
 
 @dataclass(frozen=True)
@@ -65,7 +77,7 @@ class Candidate:
 
 @dataclass(frozen=True)
 class SearchResult:
-    best: Candidate | None  # fastest candidate within the capacity; None when nothing fits
+    best: Candidate | None  # the chosen candidate within the capacity (see choose); None when nothing fits
     frontier: tuple[Candidate, ...]  # Pareto-optimal in (peak, seconds), fastest first
     minimum: Candidate  # the lowest peak any candidate reaches
 
@@ -229,6 +241,35 @@ class Model:
         return self.price(sizes, choice)
 
 
+def recomputed_blocks(block_policies: Sequence[tuple[str, str]]) -> float:
+    """Blocks recomputed in backward, each weighted by the share of its forward it repeats."""
+    return sum(RECOMPUTE_FLOOR.get(policy, 1.0) for _, policy in block_policies if policy != NONE)
+
+
+def tie_key(candidate: Candidate) -> tuple[float, int, int, tuple[tuple[str, str], ...]]:
+    """The order among tied plans: fewer recomputed FLOPs, larger micro-batch, fewer steps."""
+    return (
+        recomputed_blocks(candidate.block_policies),
+        -candidate.micro_batch_size,
+        candidate.steps,
+        candidate.block_policies,
+    )
+
+
+def tie_fraction(profile: Profile) -> float:
+    """Relative difference in predicted time below which two plans are ties: 2 n, at least 5 %."""
+    return max(2 * profile.time_noise, MIN_TIE_FRACTION)
+
+
+def choose(candidates: Sequence[Candidate], *, tie: float) -> Candidate | None:
+    """The plan to use among ``candidates``: by ``tie_key`` among those within ``tie`` of the fastest."""
+    if not candidates:
+        return None
+    fastest = min(candidate.seconds_per_step for candidate in candidates)
+    tied = [c for c in candidates if c.seconds_per_step <= fastest * (1 + tie)]
+    return min(tied, key=tie_key)
+
+
 def pareto(candidates: Sequence[Candidate]) -> list[Candidate]:
     """Candidates not dominated in (peak_bytes, seconds_per_step), fastest first."""
     ordered = sorted(candidates, key=lambda c: (c.seconds_per_step, c.peak_bytes, -c.micro_batch_size))
@@ -247,9 +288,9 @@ def search(
     correction_bytes: int = 0,
     safety_margin: float = SAFETY_MARGIN,
 ) -> SearchResult:
-    """The fastest plan whose predicted peak is <= capacity_bytes, the frontier, and the minimum."""
+    """The fastest plan (up to ties) whose predicted peak is <= capacity_bytes, the frontier, the minimum."""
     model = Model(profile, correction_bytes=correction_bytes, safety_margin=safety_margin)
-    best: Candidate | None = None
+    fits: list[Candidate] = []
     points: list[Candidate] = []
     minimum: Candidate | None = None
     for b in candidate_sizes(per_rank_batch):
@@ -269,12 +310,8 @@ def search(
         if not fitting:  # nothing on the frontier fits: the fastest choice that fits both phases
             solution = solve.solve(both, model.room(sizes, capacity_bytes))
             fitting = [model.price(sizes, solution.choice)] if solution is not None else []
-        for found in fitting:
-            if best is None or (found.seconds_per_step, found.peak_bytes) < (
-                best.seconds_per_step,
-                best.peak_bytes,
-            ):
-                best = found
+        fits.extend(fitting)
     if minimum is None:
         raise ConfigError(f"per_rank_batch must be >= 1, got {per_rank_batch}")
+    best = choose(fits, tie=tie_fraction(profile))
     return SearchResult(best=best, frontier=tuple(pareto(points)), minimum=minimum)

@@ -145,6 +145,7 @@ def finish(
         plan,
         notes=tuple(notes),
         simulated=spec is not None,
+        device=spec.kind if spec is not None else plan.device,
         device_name=spec.name if spec is not None else profile.device,
         shard=shard,
         rank_parts=breakdown,

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..profile.costs import chain_peak
 
 logger = logging.getLogger(__name__)
 
@@ -79,13 +80,16 @@ class Solution:
 
 
 def evaluate(segments: Sequence[Segment], choice: Sequence[int]) -> Solution:
-    """The costs of one choice, summed in chain order (the order the solver sums in)."""
-    kept, peak, seconds = 0, 0, 0.0
-    for segment, index in zip(segments, choice, strict=True):
-        option = segment.options[index]
-        peak = max(peak, kept + option.peak_bytes)
-        kept += option.kept_bytes
+    """The costs of one choice, summed in chain order (the order the solver sums in).
+
+    The peak is ``chain_peak``, the one definition the profile uses too.
+    """
+    options = [segment.options[index] for segment, index in zip(segments, choice, strict=True)]
+    seconds = 0.0
+    for option in options:
         seconds += option.extra_seconds
+    peak = int(chain_peak([(option.kept_bytes, option.peak_bytes) for option in options]))
+    kept = sum(option.kept_bytes for option in options)
     return Solution(choice=tuple(choice), extra_seconds=seconds, peak_bytes=peak, kept_bytes=kept)
 
 

@@ -40,7 +40,7 @@ from ..batching import move_batch
 from ..checkpoint import BlockSpec, checkpoint
 from ..errors import ConfigError, InfeasibleBudgetError
 from ..memory import MemoryTracker, format_bytes
-from ..oom import free_memory, is_out_of_memory
+from ..oom import attempt, free_memory
 from ..profile import (
     NONE,
     Profile,
@@ -48,10 +48,12 @@ from ..profile import (
     preserved_state,
     profile_workload,
 )
+from ..profile.stash import optimizer_instance
 from ..workload import Workload, load_workload
 from .plan import FrontierPoint, Plan, summarize_policies
 from .ranks import shard_profile
-from .search import Candidate, Model, SearchResult, search
+from .reserve import BudgetReserve, outside_the_model, with_reserve
+from .search import Candidate, Model, SearchResult, search, tie_fraction
 from .simulated import finish, profile_for, resolve_target, target_budget
 from .tokens import token_budget
 
@@ -63,8 +65,11 @@ DEFAULT_MAX_PROFILE_SIZE = 16
 
 @dataclass(frozen=True)
 class TrialResult:
-    peak_bytes: int  # MemoryTracker's peak, or the CUDA allocator's where that is higher
+    # On CUDA the caching allocator's peak reserved bytes (what an OOM is decided on); elsewhere
+    # MemoryTracker's peak live tensor bytes. Memory outside the allocator is added by the caller.
+    peak_bytes: int
     cuda_max_allocated_bytes: int | None
+    cuda_max_reserved_bytes: int | None = None
 
 
 def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
@@ -73,7 +78,9 @@ def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
     May raise an out-of-memory error; the model is restored either way.
     """
     model, device = workload.model, workload.device
-    with preserved_state(model):
+    # Segments cached by earlier runs would count as reserved: start from what is alive.
+    free_memory(device)
+    with preserved_state(model, optimizer=optimizer_instance(workload)):
         model.train()
         optimizer = workload.make_optimizer()
         _create_optimizer_state(model, optimizer)
@@ -101,9 +108,9 @@ def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
             for parameter in model.parameters():
                 parameter.grad = None
     measured = tracker.peak_bytes
-    if tracker.cuda_max_allocated_bytes is not None:
-        measured = max(measured, tracker.cuda_max_allocated_bytes)
-    return TrialResult(measured, tracker.cuda_max_allocated_bytes)
+    if tracker.cuda_max_reserved_bytes is not None:
+        measured = max(measured, tracker.cuda_max_reserved_bytes)
+    return TrialResult(measured, tracker.cuda_max_allocated_bytes, tracker.cuda_max_reserved_bytes)
 
 
 def trial_sizes(micro_batch_sizes: Sequence[int]) -> list[int]:
@@ -142,7 +149,9 @@ def _static_message(profile: Profile, budget_bytes: int) -> str | None:
     )
 
 
-def _refuse_budget_below_weights(workload: Workload, budget_bytes: int, *, shards: int = 1) -> None:
+def _refuse_budget_below_weights(
+    workload: Workload, budget_bytes: int, reserve: BudgetReserve | None = None, *, shards: int = 1
+) -> None:
     """Fail before profiling when parameters and their gradients alone exceed the budget.
 
     This lower bound needs no measurement; the full static count (optimizer state included) comes
@@ -154,7 +163,7 @@ def _refuse_budget_below_weights(workload: Workload, budget_bytes: int, *, shard
     )
     total = parameter_bytes + gradient_bytes
     if total > budget_bytes:
-        raise InfeasibleBudgetError(
+        error = InfeasibleBudgetError(
             f"parameters {format_bytes(parameter_bytes)} + gradients {format_bytes(gradient_bytes)} = "
             f"{format_bytes(total)} already exceed the budget memory={format_bytes(budget_bytes)}, before "
             "any optimizer state or activation; no micro-batch size or checkpointing can fit. Raise memory, "
@@ -162,6 +171,7 @@ def _refuse_budget_below_weights(workload: Workload, budget_bytes: int, *, shard
             minimum_bytes=total,
             parts={"parameters": parameter_bytes, "gradients": gradient_bytes},
         )
+        raise with_reserve(error, reserve) if reserve is not None else error
 
 
 def infeasible_error(profile: Profile, result: SearchResult, budget_bytes: int) -> InfeasibleBudgetError:
@@ -180,13 +190,14 @@ def infeasible_error(profile: Profile, result: SearchResult, budget_bytes: int) 
     return InfeasibleBudgetError(message, minimum_bytes=minimum.peak_bytes, parts=dict(minimum.parts))
 
 
-def _frontier(result: SearchResult) -> tuple[FrontierPoint, ...]:
+def _frontier(result: SearchResult, reserve_bytes: int = 0) -> tuple[FrontierPoint, ...]:
+    """The search's frontier, its peaks stated like the budget (the reserve outside the model added)."""
     return tuple(
         FrontierPoint(
             micro_batch_size=c.micro_batch_size,
             steps=c.steps,
             block_policies=c.block_policies,
-            predicted_peak_bytes=c.peak_bytes,
+            predicted_peak_bytes=c.peak_bytes + reserve_bytes,
             seconds_per_step=c.seconds_per_step,
         )
         for c in result.frontier
@@ -195,16 +206,7 @@ def _frontier(result: SearchResult) -> tuple[FrontierPoint, ...]:
 
 def _attempt(workload: Workload, candidate: Candidate) -> TrialResult | None:
     """The trial's result; None when it ran out of memory (memory freed)."""
-    out_of_memory = False
-    try:
-        return run_trial(workload, candidate)
-    except RuntimeError as error:
-        if not is_out_of_memory(error):
-            raise
-        out_of_memory = True
-    if out_of_memory:  # outside the handler, so the failed window's tensors can be freed
-        free_memory(workload.device)
-    return None
+    return attempt(lambda: run_trial(workload, candidate), workload.device)
 
 
 def _faster_without_margin(
@@ -218,10 +220,46 @@ def _faster_without_margin(
         correction_bytes=correction_bytes,
         safety_margin=0.0,
     ).best
-    if bold is None or (safe is not None and bold.seconds_per_step >= safe.seconds_per_step):
-        return None
+    if bold is None or (
+        safe is not None and bold.seconds_per_step >= safe.seconds_per_step / (1 + tie_fraction(profile))
+    ):
+        return None  # not faster beyond the timings' noise: the safe plan it is
     model = Model(profile, correction_bytes=correction_bytes)
     return model.evaluate(bold.micro_batch_sizes, dict(bold.block_policies))
+
+
+def _extend_profile(
+    workload: Workload,
+    profile: Profile,
+    *,
+    per_rank_batch: int,
+    capacity_bytes: int,
+    blocks: BlockSpec,
+    policies: Sequence[str] | None,
+    progress: ProgressFn | None,
+) -> Profile:
+    """The profile again, up to the micro-batch the search chooses, when that is beyond the sizes measured.
+
+    Costs fitted on small micro-batches do not extrapolate to large ones (kernels leave the
+    launch-bound regime, attention switches backends), so a choice beyond the profiled sizes is
+    measured before it is trusted. Only a size the budget allows is profiled: the search chose it.
+    """
+    best = search(profile, per_rank_batch=per_rank_batch, capacity_bytes=capacity_bytes).best
+    measured_up_to = max(profile.micro_batch_sizes, default=0)
+    if best is None or best.micro_batch_size <= measured_up_to:
+        return profile
+    logger.info(
+        "the search chose micro-batch %d, beyond the profiled sizes (up to %d): profiling up to it",
+        best.micro_batch_size,
+        measured_up_to,
+    )
+    return profile_workload(
+        workload,
+        max_micro_batch_size=best.micro_batch_size,
+        blocks=blocks,
+        policies=policies,
+        progress=progress,
+    )
 
 
 def _no_plan(
@@ -261,8 +299,9 @@ def plan(
     profile: Profile | None = None,
     trial: bool = True,
     max_trials: int = DEFAULT_MAX_TRIALS,
-    max_profile_micro_batch_size: int = DEFAULT_MAX_PROFILE_SIZE,
+    max_profile_micro_batch_size: int | None = None,
     progress: ProgressFn | None = None,
+    gradient_as_bucket_view: bool = False,
     device: Any = None,
     simulate: bool = False,
     shard: str = "none",
@@ -276,6 +315,16 @@ def plan(
     ``device``: a torch device (profile there for real) or a DeviceSpec / preset name (simulate);
     ``simulate``: predict under fake tensors, no kernel run and no trial (see planner/simulated.py).
     ``shard``: none, ddp or fsdp across ``world_size`` ranks (per-rank memory, see planner/ranks.py).
+    ``max_profile_micro_batch_size``: the largest size profiled; by default 16, extended to the
+    micro-batch the search chooses when that is larger (profiled before it is trusted).
+    ``gradient_as_bucket_view``: with world_size > 1 the plan counts DDP's gradient buckets, a
+    second copy of the gradients, unless DDP will run with gradient_as_bucket_view=True.
+    The budget: peak live tensor bytes on the CPU; on CUDA peak reserved bytes of the caching
+    allocator plus what is measured outside it (see planner.reserve).
+    ``progress``: called as ``progress(what, done, total)`` while profiling runs (what is running,
+    runs done, runs in all) and once per trial window (``total`` 1); the CLI draws it as a line.
+    Without it, the planner still logs one INFO line per phase (profile, each trial, the choice)
+    to ``logging.getLogger("microbatch.planner.trial")``.
     Raises InfeasibleBudgetError when no plan fits; never lets an out-of-memory error escape.
     """
     began = time.perf_counter()
@@ -284,20 +333,51 @@ def plan(
     per_rank_batch = _validate(batch, world_size)
     spec = resolve_target(workload, device, simulate)
     budget_bytes = target_budget(memory, spec, workload)
-    _refuse_budget_below_weights(workload, budget_bytes, shards=world_size if shard == "fsdp" else 1)
+    reserve = outside_the_model(
+        workload,
+        budget_bytes,
+        memory=memory,
+        # shard="ddp" / "fsdp": ranks.shard_profile counts the data-parallel extras instead
+        world_size=world_size if shard == "none" else 1,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+    )
+    shards = world_size if shard == "fsdp" else 1
+    _refuse_budget_below_weights(workload, budget_bytes - reserve.total_bytes, reserve, shards=shards)
+    extend = profile is None and max_profile_micro_batch_size is None and spec is None
     if profile is None:
         profile = profile_for(
             workload,
-            max_micro_batch_size=min(per_rank_batch, max_profile_micro_batch_size),
+            max_micro_batch_size=min(
+                per_rank_batch, max_profile_micro_batch_size or DEFAULT_MAX_PROFILE_SIZE
+            ),
             blocks=blocks,
             policies=policies,
             progress=progress,
             spec=spec,
             real=profile_workload,
         )
+        logger.info(
+            "planning %s: profiled %d blocks at micro-batch sizes %s in %.1f s",
+            workload.name,
+            len(profile.blocks),
+            list(profile.micro_batch_sizes),
+            profile.profile_seconds,
+        )
+    if extend:
+        profile = _extend_profile(
+            workload,
+            profile,
+            per_rank_batch=per_rank_batch,
+            capacity_bytes=budget_bytes - reserve.total_bytes,
+            blocks=blocks,
+            policies=policies,
+            progress=progress,
+        )
     profile, extras = shard_profile(profile, workload.model, shard=shard, world_size=world_size, spec=spec)
     trial = trial and spec is None
-    notes = list(profile.notes)
+    notes = [*profile.notes, *reserve.notes]
+    # What the profiled model may use: the budget less what lives outside it (see BudgetReserve).
+    model_budget_bytes = budget_bytes - reserve.total_bytes
     correction_bytes = 0
     # After an out-of-memory error, plans predicted (before correction) at or above this are out.
     oom_limit_bytes = math.inf
@@ -305,7 +385,7 @@ def plan(
     measured: TrialResult | None = None
     margin_free_pending = trial
     while True:
-        capacity = min(budget_bytes, oom_limit_bytes - 1 + correction_bytes)
+        capacity = min(model_budget_bytes, oom_limit_bytes - 1 + correction_bytes)
         result = search(
             profile, per_rank_batch=per_rank_batch, capacity_bytes=capacity, correction_bytes=correction_bytes
         )
@@ -318,7 +398,7 @@ def plan(
             if faster is not None:
                 chosen, margin_free = faster, True
         if chosen is None:
-            raise _no_plan(profile, result, budget_bytes, trials, notes)
+            raise with_reserve(_no_plan(profile, result, model_budget_bytes, trials, notes), reserve)
         if not trial:
             break
         if trials >= max_trials:
@@ -333,6 +413,7 @@ def plan(
             f"micro-batch {chosen.micro_batch_size} x {chosen.steps} "
             f"with {summarize_policies(chosen.block_policies)}"
         )
+        logger.info("planning %s: trial %d: %s", workload.name, trials, what)
         if progress is not None:
             progress(f"trial {trials}: {what}", 0, 1)
         measured = _attempt(workload, chosen)
@@ -342,7 +423,7 @@ def plan(
             floor = result.minimum.peak_bytes - correction_bytes
             oom_limit_bytes = min(oom_limit_bytes, failed - max(1, (failed - floor) // 2))
             notes.append(f"trial {trials}: {what} ran out of memory; re-planned below it")
-        elif measured.peak_bytes > budget_bytes:
+        elif measured.peak_bytes > model_budget_bytes:
             error_bytes = measured.peak_bytes - chosen.peak_bytes
             if error_bytes > 0 or not margin_free:  # a margin-free try that the margin covers needs none
                 correction_bytes += max(1, error_bytes)
@@ -359,6 +440,14 @@ def plan(
                 )
             break
         logger.info(notes[-1])
+    logger.info(
+        "planning %s: chose micro-batch %d x %d steps with %s in %.1f s",
+        workload.name,
+        chosen.micro_batch_size,
+        chosen.steps,
+        summarize_policies(chosen.block_policies),
+        time.perf_counter() - began,
+    )
     planned = Plan(
         workload=workload.name,
         batch_size=batch,
@@ -368,16 +457,18 @@ def plan(
         micro_batch_sizes=chosen.micro_batch_sizes,
         block_policies=chosen.block_policies,
         budget_bytes=budget_bytes,
-        predicted_peak_bytes=chosen.peak_bytes,
-        measured_peak_bytes=measured.peak_bytes if measured is not None else None,
+        predicted_peak_bytes=chosen.peak_bytes + reserve.total_bytes,
+        measured_peak_bytes=measured.peak_bytes + reserve.total_bytes if measured is not None else None,
         predicted_seconds_per_step=chosen.seconds_per_step,
-        peak_parts=chosen.parts,
-        frontier=_frontier(result),
-        minimum_bytes=result.minimum.peak_bytes,
+        peak_parts=chosen.parts + reserve.parts,
+        frontier=_frontier(result, reserve.total_bytes),
+        minimum_bytes=result.minimum.peak_bytes + reserve.total_bytes,
         cuda_max_allocated_bytes=measured.cuda_max_allocated_bytes if measured is not None else None,
         trials=trials,
         planning_seconds=time.perf_counter() - began,
         notes=tuple(notes),
         max_tokens=token_budget(workload, chosen.micro_batch_size),
+        parameters=sum(parameter.numel() for parameter in workload.model.parameters()),
+        device=workload.device.type,
     )
     return finish(planned, workload=workload, profile=profile, spec=spec, shard=shard, extras=extras)

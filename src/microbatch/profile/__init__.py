@@ -32,16 +32,15 @@ are restored afterwards: profiling trains nothing.
 
 from __future__ import annotations
 
+from ..oom import free_memory, is_out_of_memory
 from .costs import NONE, Fit, PolicyCost, Profile, SegmentProfile
 from .measure import (
     ProgressFn,
     default_micro_batch_sizes,
     default_policies,
-    free_memory,
-    is_out_of_memory,
-    preserved_state,
     profile_workload,
 )
+from .runs import preserved_state
 
 __all__ = [
     "NONE",

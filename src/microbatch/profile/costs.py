@@ -17,6 +17,20 @@ BYTES_FLOOR = 64 * 1024
 SECONDS_FLOOR = 2e-3
 
 
+def chain_peak(parts: Sequence[tuple[float, float]]) -> float:
+    """Peak of a chain of segments run in order, each as (kept_bytes, peak_bytes).
+
+    Segment k peaks at peak_k above what the segments before it keep saved for backward, P_{k-1} =
+    kept_1 + ... + kept_{k-1}; the chain's peak is max_k (P_{k-1} + peak_k). The one definition:
+    the profile's slack and the planner's solver (planner/solve.py) both evaluate it here.
+    """
+    kept, peak = 0.0, 0.0
+    for kept_bytes, peak_bytes in parts:
+        peak = max(peak, kept + peak_bytes)
+        kept += kept_bytes
+    return peak
+
+
 @dataclass(frozen=True)
 class Fit:
     """A cost as a function of the micro-batch size b, from measurements at a few sizes.
@@ -203,6 +217,10 @@ class Profile:
     slack_bytes: int = 0
     profile_seconds: float = 0.0
     notes: tuple[str, ...] = ()
+    # How far repeated timings of one micro-batch spread, relative to their median (the median of
+    # (max - min) / median over the timed runs): the planner treats predicted times closer than
+    # this as ties.
+    time_noise: float = 0.0
 
     @property
     def static_bytes(self) -> int:

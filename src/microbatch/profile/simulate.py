@@ -41,15 +41,9 @@ from ..checkpoint import BlockSpec, checkpoint
 from ..devices import DeviceSpec
 from ..memory import MemoryTracker
 from ..workload import Workload
+from .assemble import Measurements, assemble, gradient_bytes_by_segment
 from .costs import NONE, Profile
-from .measure import (
-    ProgressFn,
-    _assemble,
-    _blocks_and_policies,
-    _gradient_bytes,
-    _window_step,
-    default_micro_batch_sizes,
-)
+from .measure import ProgressFn, _blocks_and_policies, default_micro_batch_sizes
 from .roofline import RooflineClock
 from .timeline import BEFORE, END, END_FORWARD, Recorder, Run, _Event, split
 
@@ -66,6 +60,12 @@ def cuda_block_bytes(nbytes: int) -> int:
     if rounded > LARGE_REQUEST_BYTES:
         rounded = -(-rounded // LARGE_ROUND_BYTES) * LARGE_ROUND_BYTES
     return rounded
+
+
+def _count(items: Any) -> Any:
+    """A fake tensor count as a number: its value is unknown, and the Accumulator's checks of a
+    tensor count (finite, whole, positive) would read fake flags. Memory and time do not depend on it."""
+    return 1 if isinstance(items, torch.Tensor) else items
 
 
 class _FakeScalars(TorchDispatchMode):
@@ -208,6 +208,15 @@ def simulation(
         yield mode, clock
 
 
+def _window_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """What Accumulator.step does around the optimizer: rescale the gradients once, take their norm."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, 1.0)
+        nn.utils.get_total_norm(grads, foreach=True)
+    optimizer.step()
+
+
 def static_costs(
     model: nn.Module, optimizer: torch.optim.Optimizer, clock: RooflineClock, *, cuda: bool
 ) -> tuple[dict[str, int], int, float]:
@@ -256,7 +265,7 @@ class _Runner:
                 loss, items = self.workload.loss(model, batch)
                 recorder.mark(END_FORWARD)
                 recorder.in_backward = True
-                accumulator.backward(loss, items=items)
+                accumulator.backward(loss, items=_count(items))
                 recorder.mark(END)
                 del loss, batch
         finally:
@@ -324,7 +333,7 @@ def simulate_profile(
                     parameter.grad = torch.zeros_like(parameter)
             runner = _Runner(workload, found, optimizer, mode, clock, cuda)
             memory_runs, first_runs = runner.runs(chosen, sizes, progress)
-            gradients = _gradient_bytes(model, found)
+            gradients = gradient_bytes_by_segment(model, found)
             for parameter in model.parameters():
                 parameter.grad = None
     finally:
@@ -335,9 +344,7 @@ def simulate_profile(
             f"{device.name}: the CUDA context and library workspaces, which the allocator does not see, "
             f"are allowed {device.context_bytes / 1024**2:.0f} MiB (in the slack)"
         )
-    profile = _assemble(
-        workload=workload,
-        device=device.torch_device,
+    measured = Measurements(
         sizes=sizes,
         policies=chosen,
         memory_runs=memory_runs,
@@ -348,8 +355,9 @@ def simulate_profile(
         step_peak_bytes=step_peak_bytes,
         step_seconds=step_seconds,
         gradient_bytes=gradients,
-        notes=notes,
-        seconds=time.perf_counter() - began,
+    )
+    profile = assemble(
+        workload, device.torch_device, measured, notes=notes, seconds=time.perf_counter() - began
     )
     return dataclasses.replace(
         profile,
@@ -393,7 +401,7 @@ def simulate_window(
                     for micro in accumulator.iterate(iter(batches)):
                         batches.pop(0)
                         loss, items = workload.loss(model, micro.batch)
-                        accumulator.backward(loss, items=items)
+                        accumulator.backward(loss, items=_count(items))
                         del loss
                         if micro.is_last:
                             accumulator.step()

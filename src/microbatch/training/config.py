@@ -22,13 +22,16 @@ logger = logging.getLogger(__name__)
 DEFAULT_LR = {"gpt-nano": 3e-3, "gpt-mini": 3e-3, "gpt-12l": 2e-3, "gpt-small": 6e-4, "gpt-medium": 3e-4}
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 CHECKPOINT_POLICIES = ("auto", "none", "full", "selective")
-# "auto": microbatch.planner when it is installed, else the fixed rule; "fixed": the fixed rule.
-PLANNERS = ("auto", "fixed")
 LR_SCALINGS = ("linear", "sqrt")
+# A run stops with an error after this many optimizer steps in a row that were skipped (non-finite
+# gradients under fp16): the model is not training, and a run must not "finish" like that.
+DEFAULT_MAX_SKIPPED_WINDOWS = 20
 # TrainConfig fields a resumed run may change; every other field must match the checkpoint's.
+# A new --memory re-plans at the checkpoint's window boundary (the effective batch is unchanged).
 RESUMABLE_CHANGES = frozenset(
-    {"steps", "out", "resume", "eval_interval", "checkpoint_interval", "memory", "device", "planner"}
-) | {"max_tokens"}  # how a window is split, not what it computes
+    {"steps", "out", "resume", "eval_interval", "checkpoint_interval", "memory", "device", "plan", "trial"}
+    | {"max_skipped_windows", "max_tokens"}  # max_tokens: how a window is split, not what it computes
+)
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,11 @@ class TrainConfig:
     ``steps`` counts optimizer steps in total (a resumed run continues up to it). The learning rate
     warms up linearly over ``warmup_steps`` and then stays constant, or decays by a cosine to 10 %
     at ``lr_decay_steps`` when given; neither depends on ``steps``, so a run can be extended.
+    The plan comes from the planner (``checkpoint_policy="auto"`` lets it choose per block; another
+    policy limits it to that one), or from ``micro_batch`` (``Plan.manual``: that micro-batch size,
+    ``checkpoint_policy`` on every repeated block, nothing measured), or from a file ``plan``
+    (``Plan.load``, checked against the model and proved by one trial window unless ``trial`` is
+    False). ``max_skipped_windows`` optimizer steps skipped in a row stop the run with an error.
     ``nominal_batch`` (Ultralytics' nbs): the batch the lr and weight decay were tuned for; weight
     decay is scaled by batch / nominal_batch, the lr by the same ratio (``lr_scaling="linear"``)
     or its square root (``"sqrt"``), and accumulation ramps up from 1 micro-batch over the warmup.
@@ -52,7 +60,6 @@ class TrainConfig:
     nominal_batch: int | None = None
     lr_scaling: str | None = None
     checkpoint_policy: str = "auto"
-    planner: str = "auto"
     out: str | None = None
     seed: int = 0
     resume: bool = False
@@ -67,6 +74,10 @@ class TrainConfig:
     corpus_bytes: int = DEFAULT_MAX_BYTES
     device: str | None = None
     max_tokens: str | int | None = "auto"  # micro-batches by padded tokens (training/tokens.py)
+    micro_batch: int | None = None
+    plan: str | None = None
+    trial: bool = True
+    max_skipped_windows: int = DEFAULT_MAX_SKIPPED_WINDOWS
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,7 +92,27 @@ class TrainConfig:
 # The run
 
 
+def _check_finite(config: TrainConfig) -> None:
+    """Refuse NaN and infinite hyperparameters: a run with them "finishes" with loss nan."""
+    for flag, value in (
+        ("--lr", config.lr),
+        ("weight_decay", config.weight_decay),
+        ("max_grad_norm", config.max_grad_norm),
+        ("dropout", config.dropout),
+    ):
+        if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value)):
+            raise ConfigError(f"{flag} must be a finite number, got {value!r}")
+    if not 0.0 <= config.dropout < 1.0:
+        raise ConfigError(f"dropout must be in [0, 1), got {config.dropout}")
+    if config.weight_decay < 0:
+        raise ConfigError(f"weight_decay must be >= 0, got {config.weight_decay}")
+    if config.max_grad_norm is not None and config.max_grad_norm <= 0:
+        raise ConfigError(f"max_grad_norm must be positive or None, got {config.max_grad_norm}")
+
+
 def validate_config(config: TrainConfig) -> None:
+    """Raise ConfigError / WorkloadError naming the flag for any setting a run cannot use."""
+    _check_finite(config)
     if isinstance(config.batch, bool) or not isinstance(config.batch, int) or config.batch <= 0:
         raise ConfigError(f"--batch must be a positive number of sequences, got {config.batch!r}")
     if config.model not in GPT_SIZES:
@@ -89,7 +120,21 @@ def validate_config(config: TrainConfig) -> None:
             f"--model {config.model!r} is not a built-in model; "
             f"the built-in models are: {', '.join(GPT_SIZES)}"
         )
-    checks = [
+    for ok, message in _flag_checks(config):
+        if not ok:
+            raise ConfigError(message)
+    parse_max_tokens(config.max_tokens)
+    world = distributed.world_size()
+    if config.batch % world:
+        raise ConfigError(
+            f"--batch {config.batch} must be a multiple of the number of processes ({world}); "
+            f"use --batch {config.batch - config.batch % world or world}"
+        )
+
+
+def _flag_checks(config: TrainConfig) -> list[tuple[bool, str]]:
+    """(holds, message naming the flag) for every single-flag rule."""
+    return [
         (config.steps >= 1, f"--steps must be >= 1, got {config.steps}"),
         (config.lr is None or config.lr > 0, f"--lr must be positive, got {config.lr}"),
         (
@@ -114,8 +159,16 @@ def validate_config(config: TrainConfig) -> None:
             f"got {config.checkpoint_policy!r}",
         ),
         (
-            config.planner in PLANNERS,
-            f"--planner must be one of {', '.join(PLANNERS)}, got {config.planner!r}",
+            config.micro_batch is None or config.micro_batch >= 1,
+            f"--micro-batch must be a positive number of sequences, got {config.micro_batch}",
+        ),
+        (
+            config.micro_batch is None or config.plan is None,
+            "--micro-batch and --plan both say how to split the batch; give one of them",
+        ),
+        (
+            config.max_skipped_windows >= 1,
+            f"max_skipped_windows must be >= 1, got {config.max_skipped_windows}",
         ),
         (config.warmup_steps >= 0, f"warmup_steps must be >= 0, got {config.warmup_steps}"),
         (
@@ -128,16 +181,6 @@ def validate_config(config: TrainConfig) -> None:
         ),
         (config.eval_batches >= 1, f"eval_batches must be >= 1, got {config.eval_batches}"),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
-    parse_max_tokens(config.max_tokens)
-    world = distributed.world_size()
-    if config.batch % world:
-        raise ConfigError(
-            f"--batch {config.batch} must be a multiple of the number of processes ({world}); "
-            f"use --batch {config.batch - config.batch % world or world}"
-        )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,22 +1,29 @@
-"""The device, the memory budget, and the plan: micro-batch size, accumulation steps, checkpointing."""
+"""The device, the memory budget, and the run's Plan: from the planner, a manual one, or a file.
+
+Every plan is a ``microbatch.planner.Plan``. ``choose_plan`` runs on rank 0 only (see ranks.py);
+the planner profiles the model to train itself and restores it exactly, so the run starts from
+the same weights and random state as without planning.
+"""
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import logging
-import math
 import os
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
 
 import torch
 from torch import nn
 
-from ..batching import micro_batch_sizes, move_batch
+from .. import distributed
+from ..batching import move_batch
+from ..checkpoint import find_blocks
 from ..errors import ConfigError, InfeasibleBudgetError
 from ..memory import format_bytes, parse_bytes
+from ..models.corpus import ByteBatches
+from ..models.workloads import gpt_loss
+from ..planner import Plan, plan, prove
 from ..workload import Workload
+from .config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -26,46 +33,6 @@ logger = logging.getLogger(__name__)
 # in one micro-batch) then plans accumulation, as it would on a small accelerator.
 CUDA_FREE_MEMORY_FRACTION = 0.9
 DEFAULT_CPU_MEMORY = "96MiB"
-# The fixed plan's allowance for temporaries that autograd does not save (attention and MLP
-# intermediates, the logits' gradient) on top of the saved activations it measures.
-ACTIVATION_SAFETY_FACTOR = 1.5
-
-
-@dataclass(frozen=True)
-class TrainPlan:
-    """How a window is run: ``steps`` micro-batches of up to ``micro_batch_size`` sequences per rank."""
-
-    micro_batch_size: int
-    steps: int
-    checkpoint_policy: str | dict[str, str]
-    budget_bytes: int
-    predicted_peak_bytes: int
-    minimum_bytes: int
-    batch: int
-    world_size: int
-    source: str  # "planner", or "fixed" (the simple rule in fixed_plan)
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def micro_batch_sizes(self) -> list[int]:
-        return micro_batch_sizes(self.batch // self.world_size, self.micro_batch_size)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def __str__(self) -> str:
-        policy = self.checkpoint_policy
-        if isinstance(policy, dict):
-            policy = f"{sum(p != 'none' for p in policy.values())} blocks checkpointed"
-        return (
-            f"batch {self.batch} = {self.steps} micro-batches of <= {self.micro_batch_size} x "
-            f"{self.world_size} rank(s); checkpointing: {policy}; predicted peak "
-            f"{format_bytes(self.predicted_peak_bytes)} of {format_bytes(self.budget_bytes)} "
-            f"({self.source} plan)"
-        )
-
-
-# --------------------------------------------------------------------------------------------------
-# Device, budget, plan
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -73,8 +40,13 @@ def resolve_device(name: str | None) -> torch.device:
     if name is not None:
         try:
             device = torch.device(name)
-        except RuntimeError as error:
+        except (RuntimeError, MemoryError) as error:
             raise ConfigError(f"device={name!r} is not a torch device: {error}") from error
+        if device.type == "meta":
+            raise ConfigError(
+                "--device meta holds no data, so nothing can be trained there; use --device cpu or cuda "
+                "(or mb.plan(..., simulate=True) to plan without allocating)"
+            )
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device={name!r} but CUDA is not available; leave device unset to use the CPU")
         return device
@@ -87,115 +59,66 @@ def memory_budget_bytes(memory: str | int | None, device: torch.device) -> int:
     """``memory`` in bytes; without it, 90 % of the free CUDA memory, or DEFAULT_CPU_MEMORY on a CPU."""
     if memory is not None:
         return parse_bytes(memory, device=device, name="--memory")
-    if device.type == "cuda":
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-        return int(free_bytes * CUDA_FREE_MEMORY_FRACTION)
+    if device.type == "cuda":  # of the free memory, this process's cached memory included
+        return parse_bytes(float(CUDA_FREE_MEMORY_FRACTION), device=device, name="--memory")
     return parse_bytes(DEFAULT_CPU_MEMORY, name="--memory")
 
 
-def _saved_activation_bytes(workload: Workload, micro_batch_size: int) -> int:
-    """Bytes autograd saves for backward in one forward of ``micro_batch_size`` samples, plus the output."""
-    seen: dict[tuple[int, int], int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        seen[(storage.data_ptr(), storage.device.index or 0)] = storage.nbytes()
-        return tensor
-
-    batch = move_batch(workload.make_batch(micro_batch_size), workload.device)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss, _ = workload.loss(workload.model, batch)
-    return sum(seen.values()) + loss.numel() * loss.element_size()
-
-
-def _checkpointed_bytes(workload: Workload, policy: str, plain_bytes: float) -> float:
-    """Per-sample activation bytes with every block checkpointed under ``policy``: what stays saved,
-    plus one block's own activations, alive again while it is recomputed in backward."""
-    from ..checkpoint import checkpoint as apply_checkpointing
-
-    handle = apply_checkpointing(workload.model, blocks="auto", policy=policy)
-    try:
-        kept_bytes = _saved_activation_bytes(workload, 2) / 2
-        blocks = max(len(handle.policies), 1)
-    finally:
-        handle.remove()
-    return kept_bytes + plain_bytes / blocks
-
-
-def fixed_plan(
-    workload: Workload, *, batch: int, memory_bytes: int, world_size: int, policy: str
-) -> TrainPlan:
-    """The simple rule used until the planner lands: largest micro-batch whose estimate fits.
-
-    estimate(b) = model states + b * per-sample activations * ACTIVATION_SAFETY_FACTOR, with model
-    states = parameters + gradients + two AdamW moments (4 x parameter bytes) and per-sample
-    activations measured from the tensors autograd saves at b = 2 (with the block checkpointing in
-    place; checkpointed runs add one block's activations, recomputed in backward). Micro-batches
-    are then balanced: steps = ceil(B / b_max), b = ceil(B / steps).
-    """
-    per_rank_batch = batch // world_size
-    state_bytes = 4 * sum(p.numel() * p.element_size() for p in workload.model.parameters())
-    # "auto" tries no checkpointing first and measures full checkpointing only when that does not fit
-    # (the first checkpointed forward imports torch._dynamo, which takes seconds).
-    candidates = ["none", "full"] if policy == "auto" else [policy]
-    plain_bytes = _saved_activation_bytes(workload, 2) / 2
-    fitting: tuple[str, float, int] | None = None
-    minimum_bytes = memory_bytes
-    for candidate in candidates:
-        per_sample_bytes = ACTIVATION_SAFETY_FACTOR * (
-            plain_bytes if candidate == "none" else _checkpointed_bytes(workload, candidate, plain_bytes)
-        )
-        minimum_bytes = int(state_bytes + per_sample_bytes) if fitting is None else minimum_bytes
-        if memory_bytes - state_bytes >= per_sample_bytes:
-            fitting = (candidate, per_sample_bytes, int((memory_bytes - state_bytes) // per_sample_bytes))
-            break
-    if fitting is None:
-        raise InfeasibleBudgetError(
-            f"--memory {format_bytes(memory_bytes)} is below the minimum of {format_bytes(minimum_bytes)} "
-            f"for {workload.name} (model states {format_bytes(state_bytes)} + one sequence's activations); "
-            f"give --memory {format_bytes(minimum_bytes * 1.1)} or more, or a smaller --model",
-            minimum_bytes=minimum_bytes,
-            parts={"model_states": state_bytes, "activations_per_sample": minimum_bytes - state_bytes},
-        )
-    chosen, per_sample_bytes, largest = fitting
-    steps = math.ceil(per_rank_batch / min(largest, per_rank_batch))
-    micro_batch_size = math.ceil(per_rank_batch / steps)
-    return TrainPlan(
-        micro_batch_size=micro_batch_size,
-        steps=steps,
-        checkpoint_policy=chosen,
-        budget_bytes=memory_bytes,
-        predicted_peak_bytes=int(state_bytes + micro_batch_size * per_sample_bytes),
-        minimum_bytes=minimum_bytes,
-        batch=batch,
-        world_size=world_size,
-        source="fixed",
-        details={"model_state_bytes": state_bytes, "activation_bytes_per_sample": int(per_sample_bytes)},
+def planning_workload(
+    config: TrainConfig, model: nn.Module, documents: tuple[bytes, ...], device: torch.device
+) -> Workload:
+    """The model to train, with batches from a stream of its own (the training stream stays untouched)."""
+    block_size = int(getattr(getattr(model, "config", None), "block_size", 0)) or 1
+    planning_data = ByteBatches(documents, block_size=block_size, seed=config.seed + 777)
+    return Workload(
+        model=model,
+        make_batch=lambda b: move_batch(planning_data(b), device),
+        loss=gpt_loss,
+        name=config.model,
     )
 
 
-def choose_plan(
-    workload: Workload, *, batch: int, memory_bytes: int, world_size: int, policy: str, planner: str = "auto"
-) -> TrainPlan:
-    """The plan for this run: the planner's (microbatch.planner.plan) when it is there, else fixed_plan.
+def manual_plan(config: TrainConfig, workload: Workload, *, micro_batch: int, memory_bytes: int) -> Plan:
+    """``--micro-batch``: Plan.manual, with ``--checkpoint-policy`` on every repeated block."""
+    policy = "none" if config.checkpoint_policy == "auto" else config.checkpoint_policy
+    policies = {} if policy == "none" else {name: policy for name, _ in find_blocks(workload.model, "auto")}
+    return Plan.manual(
+        batch_size=config.batch,
+        micro_batch_size=micro_batch,
+        policies=policies,
+        world_size=distributed.world_size(),
+        workload=config.model,
+        budget_bytes=memory_bytes,
+        parameters=sum(p.numel() for p in workload.model.parameters()),
+        device=workload.device.type,
+    )
 
-    The planner chooses the checkpoint policy per block itself; an explicit ``policy`` other than
-    "auto", or ``planner="fixed"``, keeps the fixed rule (quick: one measured forward, no trial).
-    """
-    planner_plan: Callable[..., Any] | None = None
-    if planner == "auto":
-        try:
-            from ..planner import plan as planner_plan
-        except ImportError:
-            planner_plan = None
-    if planner_plan is None or policy != "auto":
-        return fixed_plan(
-            workload, batch=batch, memory_bytes=memory_bytes, world_size=world_size, policy=policy
+
+def loaded_plan(config: TrainConfig, workload: Workload, path: str) -> Plan:
+    """``--plan FILE``: the saved plan, checked against this run and model, proved unless ``--no-trial``."""
+    loaded = Plan.load(path)
+    world = distributed.world_size()
+    if loaded.batch_size != config.batch or loaded.world_size != world:
+        raise ConfigError(
+            f"--plan {path!r} is for batch {loaded.batch_size} on {loaded.world_size} process(es), this run "
+            f"is batch {config.batch} on {world}; pass --batch {loaded.batch_size}, or make a new plan"
         )
-    # The planner measures a copy, so the model to train keeps its state and its RNG stream.
-    probe = replace(workload, model=copy.deepcopy(workload.model))
+    loaded.check_model(workload.model, device=workload.device)
+    return prove(loaded, workload) if config.trial else loaded
+
+
+def planned(config: TrainConfig, workload: Workload, *, memory_bytes: int) -> Plan:
+    """The planner's plan for this run's batch, budget and processes."""
+    policies = None if config.checkpoint_policy == "auto" else [config.checkpoint_policy]
     try:
-        chosen = planner_plan(probe, batch=batch, memory=memory_bytes, world_size=world_size)
+        return plan(
+            workload,
+            batch=config.batch,
+            memory=memory_bytes,
+            world_size=distributed.world_size(),
+            policies=policies,
+            trial=config.trial,
+        )
     except InfeasibleBudgetError as error:
         raise InfeasibleBudgetError(
             f"--memory {format_bytes(memory_bytes)} is below the minimum of "
@@ -203,24 +126,63 @@ def choose_plan(
             minimum_bytes=error.minimum_bytes,
             parts=error.parts,
         ) from error
-    plan_dict = chosen.to_dict()
-    return TrainPlan(
-        micro_batch_size=int(chosen.micro_batch_size),
-        steps=int(chosen.steps),
-        checkpoint_policy=dict(chosen.policies),
-        budget_bytes=memory_bytes,
-        predicted_peak_bytes=int(plan_dict.get("predicted_peak_bytes", 0)),
-        minimum_bytes=int(plan_dict.get("minimum_bytes", 0)),
-        batch=batch,
-        world_size=world_size,
-        source="planner",
-        details=plan_dict,
-    )
 
 
-def apply_checkpointing(model: nn.Module, policy: str | dict[str, str]) -> Any:
-    if policy == "none" or (isinstance(policy, dict) and all(p == "none" for p in policy.values())):
-        return None
-    from ..checkpoint import checkpoint as apply_checkpointing
+def choose_plan(config: TrainConfig, workload: Workload, *, memory_bytes: int) -> Plan:
+    """The plan for a new run: from ``--plan``, from ``--micro-batch``, or from the planner."""
+    if config.plan is not None:
+        return loaded_plan(config, workload, config.plan)
+    if config.micro_batch is not None:
+        return manual_plan(config, workload, micro_batch=config.micro_batch, memory_bytes=memory_bytes)
+    return planned(config, workload, memory_bytes=memory_bytes)
 
-    return apply_checkpointing(model, blocks="auto", policy=policy)
+
+def plan_without(config: TrainConfig, workload: Workload, failed: Plan) -> Plan:
+    """After a training-time out-of-memory error: a plan that excludes ``failed`` and anything as big.
+
+    A planner's plan: re-plan with the budget lowered to just below the failed plan's peak (the
+    larger of predicted and measured), so the planner can choose neither it nor a plan predicted at
+    least as large. A manual plan: half the micro-batch size. Same effective batch either way.
+    """
+    if failed.source == "manual" or failed.predicted_peak_bytes <= 0:
+        if failed.micro_batch_size <= 1:
+            raise InfeasibleBudgetError(
+                "out of memory at micro-batch 1: no smaller split exists; use a smaller --model or "
+                "more memory",
+                minimum_bytes=failed.budget_bytes,
+                parts={},
+            )
+        smaller = dataclasses.replace(config, checkpoint_policy=_manual_policy(failed))
+        return manual_plan(
+            smaller, workload, micro_batch=failed.micro_batch_size // 2, memory_bytes=failed.budget_bytes
+        )
+    peak = max(failed.predicted_peak_bytes, failed.measured_peak_bytes or 0)
+    return planned(config, workload, memory_bytes=min(failed.budget_bytes, peak - 1))
+
+
+def _manual_policy(failed: Plan) -> str:
+    used = {policy for _, policy in failed.block_policies}
+    return next(iter(used)) if len(used) == 1 else "none"
+
+
+def plan_for_run(
+    config: TrainConfig,
+    workload: Workload,
+    *,
+    saved: Plan | None = None,
+    saved_config: TrainConfig | None = None,
+) -> Plan:
+    """A new run's plan; a resumed run's saved plan, or a new one when ``--memory`` / ``--plan`` changed.
+
+    Re-planning happens at the checkpoint's window boundary for the same effective batch: the
+    windows hold the same samples under any split, so the gradient stays exact.
+    """
+    if saved is not None and saved_config is not None:
+        if (config.memory, config.plan) == (saved_config.memory, saved_config.plan):
+            return saved
+        logger.info(
+            "resuming with --memory %s (was %s): re-planning for the new budget",
+            config.memory,
+            saved_config.memory,
+        )
+    return choose_plan(config, workload, memory_bytes=memory_budget_bytes(config.memory, workload.device))

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE = "checkpoint.pt", "config.json", "metrics.jsonl"
 PLAN_FILE, SUMMARY_FILE, PLOT_FILE = "plan.json", "summary.json", "loss.png"
 CHECKPOINT_FORMAT = "microbatch-train-checkpoint"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: the plan is a microbatch.planner.Plan
 
 
 # --------------------------------------------------------------------------------------------------
@@ -55,6 +55,26 @@ def atomic_write(path: str, write: Callable[[Any], None], *, binary: bool = True
             os.unlink(temporary)
         raise
     _fsync_directory(directory)
+
+
+def remove_stale_temporaries(run_dir: str) -> list[str]:
+    """Delete the temporary files of writes that were killed before their rename (``.NAME.*.tmp``).
+
+    Called when a run starts or resumes, before it writes anything: no write of this run is in
+    flight then, and each such file may hold a whole model. Returns the names removed.
+    """
+    removed = []
+    if os.path.isdir(run_dir):
+        for name in sorted(os.listdir(run_dir)):
+            if name.startswith(".") and name.endswith(".tmp"):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(run_dir, name))
+                    removed.append(name)
+    if removed:
+        logger.info(
+            "removed %d leftover temporary file(s) of interrupted writes in %s", len(removed), run_dir
+        )
+    return removed
 
 
 def write_json(path: str, data: Any) -> None:
@@ -94,9 +114,11 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch.load raises many types for a damaged file
+        # torch's own message may advise weights_only=False: never pass that on (it runs arbitrary code).
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        detail = "" if "weights_only" in str(error) else f" ({type(error).__name__}: {first_line})"
         raise ResumeError(
-            f"--resume: the checkpoint {path!r} is corrupted or not a microbatch checkpoint "
-            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+            f"--resume: the checkpoint {path!r} is corrupted or not a microbatch checkpoint{detail}; "
             "nothing was changed; start a new run with a different --out"
         ) from error
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:

@@ -1,0 +1,131 @@
+"""One run of the workload for the profile: a micro-batch cut into segments, the optimizer step.
+
+Both go through the Accumulator, as the planned training loop does, so the loop's own tensors
+(the weighted loss, the running sums) and the step's work (rescaling the gradients once, their
+norm, the optimizer) are measured as they will be. ``preserved_state`` puts the model back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ..accumulate import Accumulator
+from ..batching import move_batch
+from ..errors import WorkloadError
+from ..memory import MemoryTracker
+from ..oom import attempt
+from ..workload import Workload
+from . import stash
+from .timeline import BEFORE, END, END_FORWARD, Recorder, Run, split
+
+# Timed repeats of the optimizer step (the median is used).
+STEP_REPEATS = 3
+
+
+@contextlib.contextmanager
+def preserved_state(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+    """Parameters, gradients, buffers, train/eval mode, ``optimizer``'s state and the RNG (CPU and
+    every CUDA device of the model) come back exactly as they were.
+
+    Never a second copy on the model's device (see stash.py): what may change is kept in host
+    memory for a model on an accelerator and in a temporary file for a model in host memory.
+    Frozen parameters (requires_grad=False) are not copied: no optimizer updates them.
+    """
+    with stash.preserved(model, optimizer=optimizer):
+        yield
+
+
+def micro_batch_run(
+    workload: Workload,
+    blocks: Sequence[tuple[str, nn.Module]],
+    size: int,
+    device: torch.device,
+    *,
+    track: bool,
+    optimizer: torch.optim.Optimizer,
+) -> Run:
+    """One forward and backward of a fresh batch of ``size``, cut into segments."""
+    model = workload.model
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    batch = workload.make_batch(size)
+    accumulator = Accumulator(model, optimizer, steps=2)
+    tracker = MemoryTracker(device, model=model, optimizer=optimizer) if track else None
+    recorder = Recorder(blocks, tracker=tracker, device=device)
+    try:
+        with tracker if tracker is not None else contextlib.nullcontext():
+            recorder.mark(BEFORE)
+            batch = move_batch(batch, device)
+            loss, items = workload.loss(model, batch)
+            recorder.mark(END_FORWARD)
+            recorder.in_backward = True
+            accumulator.backward(loss, items=items)
+            recorder.mark(END)
+            del loss, batch
+    finally:
+        recorder.close()
+    order = recorder.order
+    missing = [name for name, _ in blocks if name not in order]
+    if missing:
+        raise WorkloadError(
+            f"profiling: block(s) {', '.join(missing[:3])} did not run in the forward of workload "
+            f"{workload.name!r}; pass blocks= naming modules the forward calls"
+        )
+    return split(recorder, order, started)
+
+
+def _one_window(workload: Workload, accumulator: Accumulator, size: int, device: torch.device) -> None:
+    """The backward of one micro-batch of ``size``: the gradients a step then works on."""
+    loss, items = workload.loss(workload.model, move_batch(workload.make_batch(size), device))
+    accumulator.backward(loss, items=items)
+    del loss
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_step(
+    workload: Workload, optimizer: torch.optim.Optimizer, size: int, device: torch.device
+) -> tuple[dict[str, int], int, float] | None:
+    """Static bytes by category, the step's transient bytes and its seconds: Accumulator.step().
+
+    A first window creates the optimizer's state; the next one's step is tracked, then
+    STEP_REPEATS more are timed; a last backward leaves every gradient allocated for the runs
+    that follow. None when the first training step runs out of memory.
+    """
+    model = workload.model
+    accumulator = Accumulator(model, optimizer, steps=1)
+
+    def first_steps() -> bool:
+        _one_window(workload, accumulator, size, device)
+        accumulator.step()  # creates the optimizer's state
+        _one_window(workload, accumulator, size, device)
+        return True
+
+    if attempt(first_steps, device) is None:
+        return None
+    with MemoryTracker(device, model=model, optimizer=optimizer) as tracker:
+        start_bytes = tracker.current_bytes
+        static = dict(tracker.breakdown)  # at entry: what the model and the optimizer hold
+        accumulator.step()
+    step_peak_bytes = max(0, tracker.peak_bytes - start_bytes)
+    timings = []
+    for _ in range(STEP_REPEATS):
+        _one_window(workload, accumulator, size, device)
+        _synchronize(device)
+        began = time.perf_counter()
+        accumulator.step()
+        _synchronize(device)
+        timings.append(time.perf_counter() - began)
+    # The micro-batch runs that follow hold every gradient, as a window's later micro-batches do.
+    _one_window(workload, accumulator, size, device)
+    return static, step_peak_bytes, statistics.median(timings)

@@ -1,0 +1,234 @@
+"""The live objects of a run (Session): model, optimizer, schedules, Accumulator, data; its checkpoints.
+
+``build_session`` turns a config, a run folder and a Plan into a Session; ``use_plan`` applies a
+(new) plan to it at a window boundary; ``save`` / ``restore`` write and read the checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import distributed
+from ..accumulate import Accumulator
+from ..checkpoint import CheckpointHandle
+from ..errors import ConfigError, ResumeError, TrainingError
+from ..models.corpus import ByteBatches, load_corpus
+from ..models.gpt import GPT, GPTConfig, gpt_config
+from ..models.workloads import build_seeded, gpt_optimizer
+from ..planner import Plan
+from .config import PRECISIONS, TrainConfig, accumulation_schedule, lr_factor, scaled_hyperparameters
+from .run_folder import (
+    CHECKPOINT_FILE,
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_VERSION,
+    METRICS_FILE,
+    atomic_write,
+    read_metrics,
+)
+from .tokens import TokenSteps, resolve_max_tokens
+
+
+@dataclass
+class Session:
+    """The live objects of a run, and where it stands (``step`` optimizer steps done)."""
+
+    config: TrainConfig
+    run_dir: str
+    device: torch.device
+    model: nn.Module  # DistributedDataParallel(raw_model) under torchrun, else raw_model
+    raw_model: GPT
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler | None
+    plan: Plan
+    train_data: ByteBatches
+    validation: list[dict[str, torch.Tensor]]
+    autocast_dtype: torch.dtype | None
+    accumulator: Accumulator | None = None
+    checkpoint_handle: CheckpointHandle | None = None
+    step: int = 0
+    resumed_from_step: int | None = None
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    replans: int = 0
+    documents: tuple[bytes, ...] = ()  # the training documents (the planner draws its own batches)
+    token_steps: TokenSteps | None = None  # set when micro-batches are split by tokens (tokens.py)
+
+
+def build_model(config: TrainConfig, device: torch.device) -> GPT:
+    model_config: GPTConfig = gpt_config(config.model, dropout=config.dropout)
+    model: GPT = build_seeded(lambda: GPT(model_config), config.seed)
+    return model.to(device)
+
+
+def _validation_batches(
+    config: TrainConfig, block_size: int, micro_batch_size: int
+) -> list[dict[str, torch.Tensor]]:
+    # The same validation sequences at every evaluation, on every rank: a fixed seed of their own.
+    corpus = load_corpus(max_bytes=config.corpus_bytes)
+    source = ByteBatches(corpus.validation, block_size=block_size, seed=10_000 + config.seed)
+    return [source(micro_batch_size) for _ in range(config.eval_batches)]
+
+
+def build_session(
+    config: TrainConfig, *, run_dir: str, device: torch.device, raw_model: GPT, plan: Plan
+) -> Session:
+    """Optimizer, schedules, data streams and the plan applied to ``raw_model`` (DDP under torchrun)."""
+    corpus = load_corpus(max_bytes=config.corpus_bytes)
+    block_size = raw_model.config.block_size
+    # Each rank reads its own stream; rank r's seed is derived from the run's seed.
+    train_data = ByteBatches(
+        corpus.train, block_size=block_size, seed=config.seed * 1000 + distributed.rank()
+    )
+    model: nn.Module = raw_model
+    if distributed.world_size() > 1:
+        model = nn.parallel.DistributedDataParallel(
+            raw_model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    lr, weight_decay = scaled_hyperparameters(config)
+    optimizer = gpt_optimizer(raw_model, lr=lr, weight_decay=weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_factor(step, warmup_steps=config.warmup_steps, decay_steps=config.lr_decay_steps),
+    )
+    session = Session(
+        config=config,
+        run_dir=run_dir,
+        device=device,
+        model=model,
+        raw_model=raw_model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=torch.amp.GradScaler(device.type) if config.precision == "fp16" else None,
+        plan=plan,
+        train_data=train_data,
+        validation=_validation_batches(config, block_size, plan.micro_batch_size),
+        autocast_dtype=PRECISIONS[config.precision],
+        documents=corpus.train,
+    )
+    use_plan(session, plan)
+    return session
+
+
+def use_plan(session: Session, plan: Plan) -> None:
+    """Apply ``plan`` at a window boundary: its checkpointing, a fresh Accumulator at the same window.
+
+    The checkpointing of the previous plan, if any, is removed first. Checkpointing wraps the raw
+    model's blocks before DDP sees them, so DDP and the plan name the same blocks.
+    """
+    window = release_plan(session)
+    session.checkpoint_handle = plan.checkpoint(session.raw_model)
+    session.plan = plan
+    config = session.config
+    steps = accumulation_schedule(config, plan_steps=plan.steps, micro_batch_size=plan.micro_batch_size)
+    max_tokens = resolve_max_tokens(
+        config.max_tokens,
+        micro_batch_size=plan.micro_batch_size,
+        block_size=session.raw_model.config.block_size,
+    )
+    session.token_steps = TokenSteps(steps, max_tokens) if max_tokens is not None else None
+    session.accumulator = Accumulator(
+        session.model,
+        session.optimizer,
+        steps=session.token_steps or steps,
+        scheduler=session.scheduler,
+        max_grad_norm=config.max_grad_norm,
+        scaler=session.scaler,
+    )
+    if window is not None:
+        session.accumulator.load_state_dict(window)
+
+
+def release_plan(session: Session) -> dict[str, Any] | None:
+    """Remove the plan's checkpointing and the Accumulator (at a window boundary); its state."""
+    state = session.accumulator.state_dict() if session.accumulator is not None else None
+    if session.checkpoint_handle is not None:
+        session.checkpoint_handle.remove()
+    session.checkpoint_handle, session.accumulator = None, None
+    return state
+
+
+def accumulator(session: Session) -> Accumulator:
+    if session.accumulator is None:  # build_session always sets one; this narrows the type
+        raise ConfigError("the session has no plan applied")
+    return session.accumulator
+
+
+def checkpoint_state(session: Session) -> dict[str, Any]:
+    # Every rank's data stream and random state (a collective under torchrun), indexed by rank.
+    rng = {"torch": torch.get_rng_state()}
+    if session.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(session.device)
+    rank_states: list[Any] = [{"data": session.train_data.state_dict(), "rng": rng}]
+    if distributed.world_size() > 1:
+        rank_states = [None] * distributed.world_size()
+        torch.distributed.all_gather_object(
+            rank_states, {"data": session.train_data.state_dict(), "rng": rng}
+        )
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "version": CHECKPOINT_VERSION,
+        "step": session.step,
+        "config": session.config.to_dict(),
+        "model_config": session.raw_model.config.to_dict(),
+        "plan": session.plan.to_dict(),
+        "model": session.raw_model.state_dict(),
+        "optimizer": session.optimizer.state_dict(),
+        "scheduler": session.scheduler.state_dict(),
+        "scaler": session.scaler.state_dict() if session.scaler is not None else None,
+        "accumulator": accumulator(session).state_dict(),
+        "ranks": rank_states,
+    }
+
+
+def restore(session: Session, state: dict[str, Any]) -> None:
+    """Load a checkpoint's state into the session; ResumeError when it does not fit this run."""
+    path = os.path.join(session.run_dir, CHECKPOINT_FILE)
+    try:
+        session.raw_model.load_state_dict(state["model"])
+        session.optimizer.load_state_dict(state["optimizer"])
+        session.scheduler.load_state_dict(state["scheduler"])
+        if session.scaler is not None and state["scaler"] is not None:
+            session.scaler.load_state_dict(state["scaler"])
+        accumulator(session).load_state_dict(state["accumulator"])
+        rank_state = state["ranks"][distributed.rank()]
+        session.train_data.load_state_dict(rank_state["data"])
+        torch.set_rng_state(rank_state["rng"]["torch"])
+        if session.device.type == "cuda" and "cuda" in rank_state["rng"]:
+            torch.cuda.set_rng_state(rank_state["rng"]["cuda"], session.device)
+        session.step = int(state["step"])
+    except (KeyError, IndexError, RuntimeError, ValueError, TypeError) as error:
+        raise ResumeError(
+            f"--resume: {path!r} does not match this run ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}); nothing was changed"
+        ) from error
+    session.resumed_from_step = session.step
+    session.metrics = read_metrics(os.path.join(session.run_dir, METRICS_FILE), up_to_step=session.step)
+
+
+def save(session: Session) -> None:
+    """Write the checkpoint (rank 0; a collective under torchrun). A full disk is a TrainingError."""
+    state = checkpoint_state(session)  # a collective under torchrun: every rank takes part
+    if not distributed.is_rank_zero():
+        return
+    path = os.path.join(session.run_dir, CHECKPOINT_FILE)
+    try:
+        atomic_write(path, lambda file: torch.save(state, file))
+    except OSError as error:
+        raise storage_error(path, session.step, error) from error
+
+
+def storage_error(path: str, step: int, error: OSError) -> TrainingError:
+    """The clear error for a run-folder write that failed (a full disk, most often)."""
+    reason = (
+        "the disk is full" if error.errno in (errno.ENOSPC, errno.EDQUOT) else (error.strerror or str(error))
+    )
+    return TrainingError(
+        f"cannot write {path!r} at step {step}: {reason}. The previous checkpoint is intact; free space "
+        "(or choose another --out) and resume with --resume"
+    )

@@ -1,0 +1,79 @@
+"""Stopping a run on a signal without losing work: SIGINT (Ctrl-C) and SIGTERM (schedulers).
+
+The first SIGINT or SIGTERM asks the loop to stop at the next window boundary: the window in
+progress finishes, the checkpoint is saved, summary.json is written and the resume command is
+printed; the command then exits 128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as
+a process killed by it would. A second signal stops at once (KeyboardInterrupt / SystemExit):
+checkpoints are written to a temporary file and renamed, so the last complete one survives.
+Under torchrun every rank agrees on stopping at the same window (``agreed``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from .. import distributed
+
+logger = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def exit_status(signal_name: str | None) -> int:
+    """128 + the signal's number for a run stopped by it; 0 otherwise."""
+    if signal_name is None:
+        return 0
+    return 128 + int(signal.Signals[signal_name])
+
+
+class StopFlag:
+    """The first stop signal sets ``requested`` (and ``signal_name``); a second one aborts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            self._restore()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+        if distributed.is_rank_zero():
+            logger.warning(
+                "%s: finishing this optimizer step, then saving (send it again to stop at once)",
+                self.signal_name,
+            )
+
+    def _restore(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopFlag]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        for signum in STOP_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        try:
+            yield self
+        finally:
+            self._restore()
+
+    def agreed(self) -> tuple[bool, str | None]:
+        """(stop, signal name) on every rank when any rank was asked to stop (one all-reduce)."""
+        if distributed.world_size() == 1:
+            return self.requested, self.signal_name
+        code = float(int(signal.Signals[self.signal_name])) if self.signal_name else 0.0
+        (flag,) = distributed.all_reduce_values([code], op="max")
+        return flag > 0, signal.Signals(int(flag)).name if flag > 0 else None

@@ -1,0 +1,39 @@
+"""benchmarks/gpu.py --dry-run: the GPU proof runs end to end on the CPU (tiny sizes), so it is
+known to work before a GPU is ever lent. Every measured peak must fit its budget and the OOM in
+the trial must be recovered with a full window afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_dry_run() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--dry-run", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["title"] == "GPU" and report["dry_run"] is True
+    markdown = report["markdown"]
+    accuracy = [
+        line for line in markdown.splitlines() if line.startswith("| gpt-tiny (dry run) |") and "MiB" in line
+    ]
+    assert accuracy, markdown
+    assert "**NO**" not in markdown  # every peak fits its budget; the OOM was recovered
+    oom = [line for line in markdown.splitlines() if "simulated (torch.OutOfMemoryError" in line]
+    assert len(oom) == 1 and oom[0].rstrip(" |").endswith("yes"), oom
