@@ -144,6 +144,8 @@ def test_plan_on_a_preset_is_simulated_and_covers_the_batch() -> None:
     assert any("simulated" in note for note in plan.notes)
     assert dict(plan.rank_parts)["CUDA context and workspaces (allowance)"] == 512 * 1024**2
     assert "accelerate estimate-memory: training using Adam" in dict(plan.estimates)
+    again = mb.Plan.from_dict(plan.to_dict())  # a saved simulated plan reads back whole
+    assert (again.simulated, again.rank_parts, again.estimates) == (True, plan.rank_parts, plan.estimates)
 
 
 def test_simulate_on_the_present_device_and_a_torch_device_for_real() -> None:
