@@ -14,6 +14,7 @@ from .accumulate import Accumulator, Micro, WindowStats
 from .batchnorm import convert_batchnorm_to_groupnorm, corrected_momentum
 from .cached import cached_backward
 from .checkpoint import CheckpointHandle, checkpoint, find_blocks
+from .devices import DeviceSpec, devices
 from .errors import MicrobatchError
 from .memory import MemoryTracker, format_bytes, parse_bytes
 from .planner import FrontierPoint, Plan, plan
@@ -27,6 +28,7 @@ __all__ = [
     "Accumulator",
     "CachedPlan",
     "CheckpointHandle",
+    "DeviceSpec",
     "FrontierPoint",
     "MemoryTracker",
     "Micro",
@@ -43,6 +45,7 @@ __all__ = [
     "checkpoint",
     "convert_batchnorm_to_groupnorm",
     "corrected_momentum",
+    "devices",
     "distributed",
     "find_blocks",
     "format_bytes",

@@ -208,7 +208,9 @@ class Model:
         if fixed + chain_bytes >= self.step_bytes(sizes):
             margin = chain_bytes - chain_peak
             # The chain's peak holds the gradients that are live then; the rest of it is activations.
-            parts["activations"] = fixed + chain_bytes - margin - sum(parts.values())
+            # (fixed holds the slack and the correction too: they are parts of their own below)
+            outside = sum(parts.values()) + profile.slack_bytes + self.correction_bytes
+            parts["activations"] = fixed + chain_bytes - margin - outside
             if margin:
                 parts[f"safety margin ({self.safety_margin:.0%})"] = margin
         else:
