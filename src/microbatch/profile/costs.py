@@ -228,10 +228,14 @@ class Profile:
     peak_kind: str = "live tensor bytes"  # or "reserved (allocator model)" / "(expandable segments)"
 
     def reserved_overhead(self, micro_batch_size: float) -> int:
-        """Bytes the caching allocator reserves beyond the live tensors at ``micro_batch_size``
-        (0 off CUDA)."""
+        """Bytes the caching allocator reserves beyond the live tensors at ``micro_batch_size`` (0 off
+        CUDA): through the profiled sizes piecewise linearly, beyond them along the nearest piece but
+        never below the least measured value (segments of tensors that grow with b waste more or as
+        much; a few small tensors waste a constant share of a 2 MiB segment)."""
         fit = self.reserved_overhead_bytes
-        return math.ceil(fit(micro_batch_size)) if fit is not None else 0
+        if fit is None:
+            return 0
+        return math.ceil(max(fit(micro_batch_size), min(fit.values, default=0.0)))
 
     @property
     def static_bytes(self) -> int:

@@ -4,27 +4,28 @@ On CUDA (a real device, or a CUDA target simulated under fake tensors) a budget 
 allocator's peak reserved bytes, not the peak of the live tensors MemoryTracker counts. One code
 path turns the one into the other: every tracked run records its allocation sequence
 (``MemoryTracker(record_allocations=True)``: the model's and the optimizer's storages first, then
-each storage made and freed in order), and ``microbatch.allocator.replay`` serves it as the
-caching allocator would, from an empty cache, giving the run's peak reserved bytes R. The tracker
-gives the same run's peak live bytes A (each storage rounded to 512 B, as ``memory_allocated``).
-The profile carries the difference per micro-batch size b,
+each storage made and freed in order), and ``microbatch.allocator.least_reserved`` serves it as
+the caching allocator would, from an empty cache, on the smallest device it runs on without an
+OOM (the allocator gives its cached free segments back before it fails): that reserved peak R is
+what the budget must hold for the run. The tracker gives the same run's peak live bytes A (each
+storage rounded to 512 B, as ``memory_allocated`` counts). The profile carries
 
-    overhead = max over the profiled runs (every size and policy, first call and steady state) of R - A,
+    overhead(b) = max over the profiled runs at b (every policy, first call and steady state) of R - A
 
-as ``Profile.reserved_overhead_bytes`` (the values per size are kept for the report); the search
-adds it to its prediction in live bytes, so that a CUDA plan's predicted peak is reserved bytes.
-The optimizer step's own peak (``step_peak_bytes``) is measured in reserved bytes directly: R of
-the step's replay, from an empty cache, less the live bytes before the step; since the allocator
-keeps the segments the micro-batches reserved, the search adds the overhead to the step's peak
-too (a bound, not a replay: it can overstate a step-bound peak by up to the overhead). On the CPU
-nothing changes: a budget is live tensor bytes.
+as ``Profile.reserved_overhead_bytes`` (interpolated between the sizes: ``Profile.reserved_overhead``), and
+the search adds it to its prediction in live bytes, so that a CUDA plan's predicted peak is reserved
+bytes. The optimizer step's peak (``step_peak_bytes``) is in reserved bytes directly: R of the
+step's replay less the live bytes before it. The step runs while the segments the micro-batches
+reserved are still cached, so the search adds the overhead to the step's peak too (a bound, not
+a replay: it can overstate a step-bound peak by up to the overhead). On the CPU nothing
+changes: a budget is live tensor bytes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ..allocator import expandable_segments_enabled, replay
+from ..allocator import expandable_segments_enabled, least_reserved
 from ..memory import MemoryTracker, format_bytes
 from .costs import Fit
 from .timeline import Run
@@ -46,7 +47,7 @@ def reserved_peak_bytes(tracker: MemoryTracker) -> int | None:
     """Peak reserved bytes of the allocations ``tracker`` recorded; None when it recorded none."""
     if tracker.allocation_events is None:
         return None
-    peaks = replay(tracker.allocation_events, expandable_segments=expandable_segments_enabled())
+    peaks = least_reserved(tracker.allocation_events, expandable_segments=expandable_segments_enabled())
     return peaks.peak_reserved_bytes
 
 
@@ -74,10 +75,7 @@ def overhead_fit(sizes: Sequence[int], runs: Iterable[tuple[int, Run]]) -> Fit |
         worst[size] = max(worst.get(size, 0), overhead_bytes(run))
     if not replayed:
         return None
-    values = [worst.get(size, 0) for size in sizes]
-    # The same at every size, the worst measured: the overhead is not a trend in b (it comes from
-    # how many tensors share or split segments), and the search goes beyond the profiled sizes.
-    return Fit(float(max(values)), 0.0, tuple(sizes), tuple(float(v) for v in values))
+    return Fit.of(sizes, [worst.get(size, 0) for size in sizes], interpolate=True)
 
 
 def step_peak_bytes(tracker: MemoryTracker, start_bytes: int) -> int:
