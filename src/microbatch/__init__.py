@@ -14,6 +14,7 @@ from .accumulate import Accumulator, Micro, WindowStats
 from .batchnorm import convert_batchnorm_to_groupnorm, corrected_momentum
 from .cached import cached_backward
 from .checkpoint import CheckpointHandle, checkpoint, find_blocks
+from .devices import DeviceSpec, devices
 from .errors import (
     CheckpointError,
     ConfigError,
@@ -37,6 +38,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointHandle",
     "ConfigError",
+    "DeviceSpec",
     "FrontierPoint",
     "InfeasibleBudgetError",
     "MemoryTracker",
@@ -57,6 +59,7 @@ __all__ = [
     "checkpoint",
     "convert_batchnorm_to_groupnorm",
     "corrected_momentum",
+    "devices",
     "distributed",
     "find_blocks",
     "format_bytes",

@@ -6,10 +6,21 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
-from ..errors import ConfigError
+from ..devices import device_spec, devices
+from ..errors import ConfigError, UsageError
+from ..hf.configs import (
+    ARCHITECTURES,
+    OPTIMIZERS,
+    PRECISIONS,
+    ModelSetup,
+    is_architecture,
+    simulate_config_profile,
+)
 from ..planner import plan
 from ..planner.plot import save_frontier_plot
+from ..planner.ranks import SHARDS
 from ..workload import BUILTIN_WORKLOADS, load_workload
 
 
@@ -17,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
         metavar="MODEL",
-        help=f"a built-in workload ({', '.join(BUILTIN_WORKLOADS)}) or package.module:function returning one",
+        help=f"a built-in workload ({', '.join(BUILTIN_WORKLOADS)}), package.module:function returning one, "
+        f"a Hugging Face config.json, or an architecture ({', '.join(ARCHITECTURES)})",
     )
     parser.add_argument(
         "--batch", type=int, required=True, help="effective batch per optimizer step, all ranks"
@@ -58,12 +70,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the largest micro-batch that fits, then the fastest (BatchNorm normalises per micro-batch)",
     )
+    _add_device_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--plot", metavar="PATH", help="draw the frontier (peak vs time per step) to PATH")
     parser.add_argument(
         "--out",
         metavar="PLAN.json",
         help="save the plan (Plan.load reads it; microbatch train --plan PLAN.json uses it)",
+    )
+
+
+def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags for planning on a device that is not here, and for named architectures."""
+    parser.add_argument(
+        "--device",
+        default=None,
+        help=f"a torch device to profile on (cpu, cuda:0), or a preset to simulate ({', '.join(devices())})",
+    )
+    parser.add_argument(
+        "--simulate",
+        action="store_true",
+        help="predict under fake tensors on a present device: no kernel runs",
+    )
+    parser.add_argument(
+        "--shard", choices=SHARDS, default="none", help="data parallelism across --world-size"
+    )
+    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (architectures)")
+    parser.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16", help="parameter dtype")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (architectures)")
+    parser.add_argument(
+        "--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (needs peft)"
+    )
+
+
+def _architecture(args: argparse.Namespace, policies: list[str] | None, progress: _Progress) -> Any:
+    """The full model's workload and its simulated profile, for a named architecture or config.json."""
+    if args.device is None:
+        raise UsageError(
+            f"{args.model} is an architecture with fake weights: pass --device ({', '.join(devices())})"
+        )
+    setup = ModelSetup(
+        seq_len=args.seq_len, precision=args.precision, optimizer=args.optimizer, lora_rank=args.lora_rank
+    )
+    per_rank = max(1, args.batch // max(1, args.world_size))
+    # Identical layers with three options each cost the exact solver O(L^2) partial plans per
+    # layer; none and full keep it O(L). --policies none,full,selective adds selective.
+    policies = policies if policies is not None else ["none", "full"]
+    return simulate_config_profile(
+        args.model,
+        setup,
+        device_spec(args.device),
+        max_micro_batch_size=min(per_rank, 16),
+        policies=policies,
+        progress=progress,
     )
 
 
@@ -126,12 +185,18 @@ def run(args: argparse.Namespace) -> int:
     _check_output("--out", args.out)
     if args.plot:
         check_plot_path(args.plot)
-    workload = load_workload(args.model)
     blocks = (
         "auto" if args.blocks == "auto" else [name.strip() for name in args.blocks.split(",") if name.strip()]
     )
     policies = None if args.policies is None else [p.strip() for p in args.policies.split(",") if p.strip()]
     progress = _Progress()
+    profile = None
+    device = args.device
+    if is_architecture(args.model):
+        workload, profile = _architecture(args, policies, progress)
+        device = device_spec(args.device)  # "cpu" too means the preset: the weights are fake
+    else:
+        workload = load_workload(args.model)
     try:
         result = plan(
             workload,
@@ -145,6 +210,10 @@ def run(args: argparse.Namespace) -> int:
             min_micro_batch_size=args.min_micro_batch,
             even=args.even,
             prefer_large_micro_batches=args.prefer_large_micro_batches,
+            profile=profile,
+            device=device,
+            simulate=args.simulate,
+            shard=args.shard,
         )
     finally:
         progress.close()

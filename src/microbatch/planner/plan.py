@@ -107,6 +107,11 @@ class Plan:
     parameters: int | None = None  # the model's parameter count, checked when a plan is reused
     device: str | None = None  # the device type it was made for ("cuda", "cpu", ...)
     source: str = "planner"  # "planner", or "manual" (Plan.manual)
+    simulated: bool = False  # predicted under fake tensors for device_name; no trial ran
+    device_name: str = ""
+    shard: str = "none"  # data parallelism across world_size ranks: none, ddp or fsdp
+    rank_parts: tuple[tuple[str, int], ...] = ()  # one rank's peak by part, data-parallel extras named
+    estimates: tuple[tuple[str, int], ...] = ()  # microbatch's figures beside accelerate's and the formula
 
     @property
     def policies(self) -> dict[str, str]:
@@ -215,6 +220,11 @@ class Plan:
             "parameters": self.parameters,
             "device": self.device,
             "source": self.source,
+            "simulated": self.simulated,
+            "device_name": self.device_name,
+            "shard": self.shard,
+            "rank_parts": dict(self.rank_parts),
+            "estimates": dict(self.estimates),
         }
 
     @classmethod
@@ -238,6 +248,8 @@ class Plan:
                 for point in data.get("frontier", [])
             )
             values["notes"] = tuple(str(note) for note in data.get("notes", []))
+            for name in ("rank_parts", "estimates"):  # simulated / sharded plans: name -> bytes
+                values[name] = tuple((str(k), int(v)) for k, v in dict(data.get(name, {})).items())
             return cls(**values)
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ConfigError(
@@ -369,6 +381,7 @@ class Plan:
             f"  {'block':<28} policy",
         ]
         lines.extend(f"  {name:<28} {policy}" for name, policy in self.block_policies)
+        lines.extend(_report_lines(self))
         lines.extend(self._frontier_lines())
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
@@ -399,3 +412,17 @@ class Plan:
         if len(shown) < len(self.frontier):
             lines.append(f"    ... {len(self.frontier)} rows in all (to_dict(), --json, --plot)")
         return lines
+
+
+def _report_lines(plan: Plan) -> list[str]:
+    """A simulated or sharded plan's per-rank breakdown and the estimates beside it."""
+    lines: list[str] = []
+    if plan.simulated or plan.shard != "none":
+        what = "simulated" if plan.simulated else "profiled"
+        where = f"{what} on {plan.device_name}, shard {plan.shard}, {plan.world_size} ranks"
+        lines += ["", f"Per rank ({where}):"]
+        lines.extend(f"  {name:<52} {format_bytes(value):>10}" for name, value in plan.rank_parts if value)
+    if plan.estimates:
+        lines += ["", f"Beside other estimates (micro-batch {plan.micro_batch_size}, one rank, unsharded):"]
+        lines.extend(f"  {name:<52} {format_bytes(value):>10}" for name, value in plan.estimates)
+    return lines

@@ -26,11 +26,13 @@ parameters, buffers, gradients, mode and the RNG are restored afterwards.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -39,7 +41,7 @@ from ..batching import batch_size_of, move_batch
 from ..checkpoint import BlockSpec, checkpoint
 from ..compiled import eager_workload
 from ..errors import ConfigError, InfeasibleBudgetError, MicrobatchError, WorkloadError
-from ..memory import MemoryTracker, format_bytes, parse_bytes
+from ..memory import MemoryTracker, format_bytes
 from ..oom import attempt, free_memory
 from ..optimizer_state import optimizer_state_bytes
 from ..profile import (
@@ -52,9 +54,11 @@ from ..profile import (
 from ..profile.stash import optimizer_instance
 from ..workload import Workload, load_workload
 from .plan import FrontierPoint, Plan, summarize_policies
+from .ranks import shard_profile
 from .reserve import BudgetReserve, outside_the_model, with_reserve
 from .rules import SplitRules, batchnorm_note, beats, even_batch, profile_with_rules
 from .search import Candidate, Model, SearchResult, search, tie_fraction
+from .simulated import finish, profile_for, resolve_target, target_budget
 from .tokens import token_budget
 from .windows import MAX_STEPS_PER_WINDOW
 
@@ -152,23 +156,24 @@ def _static_message(profile: Profile, budget_bytes: int) -> str | None:
 
 
 def _refuse_budget_below_weights(
-    workload: Workload, budget_bytes: int, reserve: BudgetReserve | None = None
+    workload: Workload, budget_bytes: int, reserve: BudgetReserve | None = None, *, shards: int = 1
 ) -> None:
     """Fail before profiling when parameters, gradients and optimizer state alone exceed the budget.
 
     The optimizer state is counted without allocating it (optimizer_state.optimizer_state_bytes:
     one dry step on the meta device, or the optimizer's known factor). The sum is a lower bound of
     every plan's peak (activations, the batch and temporaries come on top), and the error says so.
+    ``shards``: FSDP ranks sharing them.
     """
     parameters = list(workload.model.parameters())
-    parameter_bytes = sum(p.numel() * p.element_size() for p in parameters)
-    gradient_bytes = sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)
+    parameter_bytes = sum(p.numel() * p.element_size() for p in parameters) // shards
+    gradient_bytes = sum(p.numel() * p.element_size() for p in parameters if p.requires_grad) // shards
     optimizer = workload.make_optimizer()
     state_bytes, _ = optimizer_state_bytes(workload.model, optimizer)
     parts = {
         "parameters": parameter_bytes,
         "gradients": gradient_bytes,
-        f"{type(optimizer).__name__} state": state_bytes,
+        f"{type(optimizer).__name__} state": state_bytes // shards,
     }
     del optimizer
     total = sum(parts.values())
@@ -419,6 +424,9 @@ def plan(
     min_micro_batch_size: int = 1,
     even: bool = False,
     prefer_large_micro_batches: bool = False,
+    device: Any = None,
+    simulate: bool = False,
+    shard: str = "none",
 ) -> Plan:
     """The fastest plan for an effective batch of ``batch`` samples within ``memory`` bytes of peak.
 
@@ -426,6 +434,9 @@ def plan(
     ``blocks`` / ``policies``: which blocks may be checkpointed and how (default: "auto", and none,
     full, selective, plus offload on accelerators). ``profile``: reuse one from ``profile_workload``.
     ``trial``: prove the plan in one real window (recommended; False trusts the model).
+    ``device``: a torch device (profile there for real) or a DeviceSpec / preset name (simulate);
+    ``simulate``: predict under fake tensors, no kernel run and no trial (see planner/simulated.py).
+    ``shard``: none, ddp or fsdp across ``world_size`` ranks (per-rank memory, see planner/ranks.py).
     ``max_profile_micro_batch_size``: the largest size profiled; by default 16, extended to the
     micro-batch the search chooses when that is larger (profiled before it is trusted).
     ``gradient_as_bucket_view``: with world_size > 1 the plan counts DDP's gradient buckets, a
@@ -447,21 +458,25 @@ def plan(
     per_rank_batch = _validate(batch, world_size)
     rules = SplitRules(min_micro_batch_size, even, prefer_large_micro_batches)
     rules.check_batch(per_rank_batch, world_size)
-    budget_bytes = parse_bytes(memory, device=workload.device, name="memory")
+    spec = resolve_target(workload, device, simulate)
+    budget_bytes = target_budget(memory, spec, workload)
     reserve = outside_the_model(
         workload,
         budget_bytes,
         memory=memory,
-        world_size=world_size,
+        # shard="ddp" / "fsdp": ranks.shard_profile counts the data-parallel extras instead
+        world_size=world_size if shard == "none" else 1,
         gradient_as_bucket_view=gradient_as_bucket_view,
     )
-    _refuse_budget_below_weights(workload, budget_bytes - reserve.total_bytes, reserve)
+    shards = world_size if shard == "fsdp" else 1
+    _refuse_budget_below_weights(workload, budget_bytes - reserve.total_bytes, reserve, shards=shards)
     bytes_per_sample = _check_make_batch(workload, per_rank_batch)
-    extend = profile is None and max_profile_micro_batch_size is None
+    extend = profile is None and max_profile_micro_batch_size is None and spec is None
     if profile is None:
         options = {"blocks": blocks, "policies": policies, "progress": progress}
         largest = max_profile_micro_batch_size or DEFAULT_MAX_PROFILE_SIZE
-        profile = profile_with_rules(profile_workload, workload, rules, per_rank_batch, largest, **options)
+        profile_fn = functools.partial(profile_for, spec=spec, real=profile_workload)
+        profile = profile_with_rules(profile_fn, workload, rules, per_rank_batch, largest, **options)
         logger.info(
             "planning %s: profiled %d blocks at micro-batch sizes %s in %.1f s",
             workload.name,
@@ -480,6 +495,8 @@ def plan(
             progress=progress,
             rules=rules,
         )
+    profile, extras = shard_profile(profile, workload.model, shard=shard, world_size=world_size, spec=spec)
+    trial = trial and spec is None
     # What the profiled model may use: the budget less what lives outside it (see BudgetReserve).
     model_budget_bytes = budget_bytes - reserve.total_bytes
     per_rank_batch, even_notes = even_batch(profile, per_rank_batch, model_budget_bytes, rules, world_size)
@@ -565,7 +582,7 @@ def plan(
         summarize_policies(chosen.block_policies),
         time.perf_counter() - began,
     )
-    return Plan(
+    planned = Plan(
         workload=workload.name,
         batch_size=batch,
         world_size=world_size,
@@ -588,3 +605,4 @@ def plan(
         parameters=sum(parameter.numel() for parameter in workload.model.parameters()),
         device=workload.device.type,
     )
+    return finish(planned, workload=workload, profile=profile, spec=spec, shard=shard, extras=extras)

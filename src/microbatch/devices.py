@@ -1,0 +1,258 @@
+"""Devices described by numbers: memory, peak FLOP/s per dtype, bandwidth, launch floor, interconnect.
+
+A ``DeviceSpec`` is what the simulated planner needs to know about a device that may not be here
+(``mb.plan(..., device="h100-80gb")``). The presets hold published figures: dense (no 2:4
+sparsity) tensor-core peaks for 16-bit and TF32, the CUDA-core peak for FP32, the memory
+bandwidth, and per-GPU one-direction interconnect bandwidth (NVLink for SXM parts, PCIe 4.0 x16
+for PCIe cards). Peaks are upper bounds that real kernels reach 50-80 % of, so a roofline built on
+them gives a lower bound on time; ``DeviceSpec.measure()`` fills a spec from a short matmul and
+copy benchmark on a device that is present, which brings the figures down to what is reachable.
+
+Memory is the nominal capacity in GiB (HBM and GDDR come in binary sizes); the driver and the
+CUDA context take some of it, which the planner counts as ``context_bytes`` on CUDA targets: the
+allowance for what the caching allocator does not see (a round 512 MiB for presets, measured by
+``DeviceSpec.measure()``). What the allocator does hold is predicted by replaying the simulated
+allocations through ``microbatch.allocator`` (see profile/reserved.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .allocator import outside_allocator_bytes
+from .errors import ConfigError
+from .memory import device_memory_bytes, format_bytes
+
+GIB = 1024**3
+TERA = 1e12
+GIGA = 1e9
+# What a CUDA process holds outside the caching allocator (measured on recent drivers with lazy
+# module loading: the context 300-500 MiB, cuBLAS / cuDNN workspaces tens of MiB): a round 512 MiB.
+CUDA_CONTEXT_BYTES = 512 * 1024**2
+# A CUDA kernel launch and its completion cost a few microseconds whatever the kernel does.
+CUDA_LAUNCH_SECONDS = 5e-6
+
+_DTYPES = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float64: "fp64",
+}
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A device for the simulated planner (all rates per second, per device).
+
+    ``flops_tf32`` is the rate of float32 matmuls when TF32 is allowed
+    (``torch.backends.cuda.matmul.allow_tf32``); without it float32 matmuls run at ``flops_fp32``.
+    ``interconnect_bytes_per_second`` is one direction of one device's link to its peers (the
+    bandwidth a ring all-reduce or reduce-scatter is bound by).
+    """
+
+    name: str
+    kind: str  # "cuda" or "cpu": which allocator model and allowances apply
+    memory_bytes: int
+    flops_fp32: float
+    flops_tf32: float
+    flops_bf16: float
+    flops_fp16: float
+    memory_bytes_per_second: float
+    launch_seconds: float = CUDA_LAUNCH_SECONDS
+    interconnect_bytes_per_second: float = 32 * GIGA
+    interconnect: str = "PCIe 4.0 x16"
+    context_bytes: int = CUDA_CONTEXT_BYTES
+    source: str = "published figures"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("cuda", "cpu"):
+            raise ConfigError(f"DeviceSpec kind must be 'cuda' or 'cpu', got {self.kind!r}")
+        numbers = {
+            "memory_bytes": self.memory_bytes,
+            "flops_fp32": self.flops_fp32,
+            "flops_tf32": self.flops_tf32,
+            "flops_bf16": self.flops_bf16,
+            "flops_fp16": self.flops_fp16,
+            "memory_bytes_per_second": self.memory_bytes_per_second,
+            "interconnect_bytes_per_second": self.interconnect_bytes_per_second,
+        }
+        bad = [name for name, value in numbers.items() if not value > 0]
+        if bad or self.launch_seconds < 0 or self.context_bytes < 0:
+            raise ConfigError(
+                f"DeviceSpec {self.name!r}: {', '.join(bad) or 'launch_seconds / context_bytes'} must be "
+                "positive (launch_seconds and context_bytes may be 0)"
+            )
+
+    def flops(self, dtype: torch.dtype, *, tf32: bool = False) -> float:
+        """Peak FLOP/s of a matmul in ``dtype`` (float64 and integers at the fp32 rate)."""
+        name = _DTYPES.get(dtype, "fp32")
+        if name == "fp32" and tf32:
+            return self.flops_tf32
+        return {"fp16": self.flops_fp16, "bf16": self.flops_bf16}.get(name, self.flops_fp32)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.kind)
+
+    def replace(self, **changes: Any) -> DeviceSpec:
+        """A copy with some fields changed: ``mb.devices()["l4"].replace(memory_bytes=...)``."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name}: {format_bytes(self.memory_bytes)}, bf16 {self.flops_bf16 / TERA:.0f} TFLOP/s, "
+            f"fp32 {self.flops_fp32 / TERA:.1f} TFLOP/s, {self.memory_bytes_per_second / 1e9:.0f} GB/s, "
+            f"{self.interconnect} {self.interconnect_bytes_per_second / 1e9:.0f} GB/s ({self.source})"
+        )
+
+    @classmethod
+    def measure(
+        cls,
+        device: torch.device | str = "cpu",
+        *,
+        name: str | None = None,
+        size: int = 1024,
+        repeats: int = 3,
+    ) -> DeviceSpec:
+        """A spec of a present device from a short benchmark: matmuls per dtype and a large copy.
+
+        ``size``: the matmul side (n x n x n, 2 n^3 FLOPs); the copy moves 64 n^2 bytes. Each is
+        the best of ``repeats`` timed runs after a warm-up. Launch floor: the best time of a tiny op.
+        """
+        device = torch.device(device)
+        if device.type not in ("cuda", "cpu"):
+            raise ConfigError(f"DeviceSpec.measure: device must be cpu or cuda, got {device}")
+        rates = {}
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            a = torch.randn(size, size, device=device, dtype=dtype)
+            seconds = _best_seconds(lambda a=a: torch.mm(a, a), device, repeats)
+            rates[dtype] = 2 * size**3 / seconds
+        source = torch.empty(16 * size * size, device=device, dtype=torch.float32)
+        target = torch.empty_like(source)
+        copy_seconds = _best_seconds(lambda: target.copy_(source), device, repeats)
+        tiny = torch.ones(1, device=device)
+        launch = _best_seconds(lambda: tiny.add_(0), device, repeats)
+        tf32 = rates[torch.float32]
+        if device.type == "cuda":
+            previous = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = True
+            try:
+                a = torch.randn(size, size, device=device)
+                tf32 = 2 * size**3 / _best_seconds(lambda: torch.mm(a, a), device, repeats)
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = previous
+        return cls(
+            name=name or (torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (measured)"),
+            kind=device.type,
+            memory_bytes=device_memory_bytes(device),
+            flops_fp32=rates[torch.float32],
+            flops_tf32=tf32,
+            flops_bf16=rates[torch.bfloat16],
+            flops_fp16=rates[torch.float16],
+            # The copy reads and writes every byte once.
+            memory_bytes_per_second=2 * source.numel() * source.element_size() / copy_seconds,
+            launch_seconds=launch,
+            # On a present GPU the allowance outside the caching allocator is measured, not assumed.
+            context_bytes=outside_allocator_bytes(device) if device.type == "cuda" else 0,
+            source=f"measured: {size}^3 matmuls, {format_bytes(source.numel() * 4)} copy",
+        )
+
+
+def _best_seconds(work: Any, device: torch.device, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``work`` after one untimed call."""
+    work()
+    timings = []
+    for _ in range(max(1, repeats)):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        work()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        timings.append(time.perf_counter() - began)
+    return max(min(timings), 1e-9)
+
+
+def _gpu(
+    name: str,
+    memory_gib: float,
+    fp32: float,
+    tf32: float,
+    bf16: float,
+    bandwidth_gbs: float,
+    link: str,
+    link_gbs: float,
+) -> DeviceSpec:
+    return DeviceSpec(
+        name=name,
+        kind="cuda",
+        memory_bytes=int(memory_gib * GIB),
+        flops_fp32=fp32 * TERA,
+        flops_tf32=tf32 * TERA,
+        flops_bf16=bf16 * TERA,
+        flops_fp16=bf16 * TERA,
+        memory_bytes_per_second=bandwidth_gbs * GIGA,
+        interconnect=link,
+        interconnect_bytes_per_second=link_gbs * GIGA,
+    )
+
+
+# Dense peaks from NVIDIA's data sheets (H100 SXM5, H200 SXM, A100 SXM4, L4, and the Ada / Ampere
+# GeForce white papers: 16-bit tensor rates with FP32 accumulation, as PyTorch uses them).
+# Interconnect: NVLink 4 (H100 / H200) 900 GB/s and NVLink 3 (A100) 600 GB/s both directions
+# together, so 450 and 300 per direction; PCIe 4.0 x16 32 GB/s per direction.
+_PRESETS = (
+    _gpu("h100-80gb", 80, 66.9, 494.7, 989.4, 3350, "NVLink 4", 450),
+    _gpu("h200", 141, 66.9, 494.7, 989.4, 4800, "NVLink 4", 450),
+    _gpu("a100-80gb", 80, 19.5, 156, 312, 2039, "NVLink 3", 300),
+    _gpu("a100-40gb", 40, 19.5, 156, 312, 1555, "NVLink 3", 300),
+    _gpu("l4", 24, 30.3, 60, 121, 300, "PCIe 4.0 x16", 32),
+    _gpu("rtx4090", 24, 82.6, 82.6, 165.2, 1008, "PCIe 4.0 x16", 32),
+    _gpu("rtx3090", 24, 35.6, 35.6, 71, 936, "PCIe 4.0 x16", 32),
+)
+
+
+def _cpu_preset() -> DeviceSpec:
+    """A generic host: the machine's RAM, and modest round figures (``measure()`` does better)."""
+    return DeviceSpec(
+        name="cpu",
+        kind="cpu",
+        memory_bytes=device_memory_bytes("cpu"),
+        flops_fp32=1 * TERA,
+        flops_tf32=1 * TERA,
+        flops_bf16=1 * TERA,
+        flops_fp16=0.5 * TERA,
+        memory_bytes_per_second=50 * GIGA,
+        launch_seconds=2e-6,
+        interconnect="Ethernet (gloo)",
+        interconnect_bytes_per_second=1.25 * GIGA,
+        context_bytes=0,
+        source="round figures for a many-core server CPU",
+    )
+
+
+def devices() -> dict[str, DeviceSpec]:
+    """The presets by name: h100-80gb, h200, a100-80gb, a100-40gb, l4, rtx4090, rtx3090, cpu."""
+    return {**{spec.name: spec for spec in _PRESETS}, "cpu": _cpu_preset()}
+
+
+def device_spec(device: DeviceSpec | str) -> DeviceSpec:
+    """A DeviceSpec from itself or a preset name; a ConfigError naming the presets otherwise."""
+    if isinstance(device, DeviceSpec):
+        return device
+    presets = devices()
+    key = str(device).strip().lower()
+    if key not in presets:
+        raise ConfigError(
+            f"device={device!r} is not a device preset; choose one of {', '.join(presets)}, pass a "
+            "torch device such as 'cuda:0', or a mb.DeviceSpec(...)"
+        )
+    return presets[key]

@@ -1,0 +1,177 @@
+"""Per-rank memory and communication under data parallelism, and the formulas people use instead.
+
+A profile describes one rank running the whole model. Data parallelism changes it so:
+
+- ``ddp`` (DistributedDataParallel, ``gradient_as_bucket_view=False``, the default): every rank
+  holds everything, plus gradient buckets, a flat copy of all gradients that the all-reduce runs
+  on. Time: one all-reduce of the gradients per optimizer step (the Accumulator skips the sync on
+  the window's other micro-batches), 2 (W - 1) / W * G / link.
+- ``fsdp`` (FSDP2, ``fully_shard`` on each block and on the root): parameters, gradients and
+  optimizer state are sharded by W. While a block runs, its parameters are all-gathered, and the
+  next block's are prefetched: two blocks' full parameters in flight. The root's own parameters
+  (embeddings, final norm, head) stay gathered through forward and backward. A block's backward
+  copies its full gradients into a reduce-scatter buffer and keeps its shard of the result. Time:
+  per micro-batch, parameters all-gathered in forward and again in backward and gradients
+  reduce-scattered, (W - 1) / W * bytes / link each, taken as not overlapped with compute (an
+  upper bound; FSDP2 overlaps them).
+
+The fixed extra bytes join the profile's slack, so the search prices every plan with them; the
+plan's ``rank_parts`` names them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..devices import DeviceSpec
+from ..errors import ConfigError
+from ..profile.costs import NONE, Fit, Profile
+from ..profile.roofline import all_gather_seconds, all_reduce_seconds
+
+SHARDS = ("none", "ddp", "fsdp")
+
+
+def _parameter_bytes(module: nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for parameter in module.parameters():
+        if id(parameter) not in seen:
+            seen.add(id(parameter))
+            total += parameter.numel() * parameter.element_size()
+    return total
+
+
+def _shifted(fit: Fit, seconds: float) -> Fit:
+    return dataclasses.replace(
+        fit, intercept=fit.intercept + seconds, values=tuple(v + seconds for v in fit.values)
+    )
+
+
+def shard_profile(
+    profile: Profile, model: nn.Module, *, shard: str, world_size: int, spec: DeviceSpec | None
+) -> tuple[Profile, tuple[tuple[str, int], ...]]:
+    """The profile as one of ``world_size`` ranks sees it under ``shard``, and the extra parts."""
+    if shard not in SHARDS:
+        raise ConfigError(f"shard={shard!r}: choose one of {', '.join(SHARDS)}")
+    if shard == "none" or world_size <= 1:
+        return profile, ()
+    if spec is None:
+        raise ConfigError(
+            "shard= needs a device spec for the interconnect: pass device= (a preset or DeviceSpec)"
+        )
+    if shard == "ddp":
+        buckets = profile.gradient_bytes
+        seconds = all_reduce_seconds(profile.gradient_bytes, world_size, spec)
+        parts: tuple[tuple[str, int], ...] = (("DDP gradient buckets", buckets),)
+        changed = dataclasses.replace(
+            profile,
+            slack_bytes=profile.slack_bytes + buckets,
+            step_seconds=profile.step_seconds + seconds,
+            notes=(*profile.notes, f"DDP over {world_size} ranks: all-reduce {seconds:.3g} s per step"),
+        )
+        return changed, parts
+    modules = dict(model.named_modules())
+    block_bytes = [_parameter_bytes(modules[s.name]) for s in profile.blocks if s.name in modules]
+    block_gradients = [segment.gradient_bytes for segment in profile.blocks]
+    total_parameters = _parameter_bytes(model)
+    root_bytes = max(0, total_parameters - sum(block_bytes))
+    largest = max(block_bytes, default=0)
+    parts = (
+        ("FSDP all-gathered parameters (2 blocks in flight)", 2 * largest),
+        ("FSDP root parameters, gathered", root_bytes - root_bytes // world_size),
+        ("FSDP reduce-scatter buffers", max(block_gradients, default=0)),
+    )
+    per_micro_batch = 2 * all_gather_seconds(total_parameters, world_size, spec) + all_gather_seconds(
+        profile.gradient_bytes, world_size, spec
+    )
+    segments = tuple(
+        dataclasses.replace(segment, gradient_bytes=math.ceil(segment.gradient_bytes / world_size))
+        for segment in profile.segments
+    )
+    changed = dataclasses.replace(
+        profile,
+        segments=segments,
+        parameter_bytes=math.ceil(profile.parameter_bytes / world_size),
+        gradient_bytes=math.ceil(profile.gradient_bytes / world_size),
+        optimizer_bytes=math.ceil(profile.optimizer_bytes / world_size),
+        slack_bytes=profile.slack_bytes + sum(value for _, value in parts),
+        loop_seconds=_shifted(profile.loop_seconds, per_micro_batch),
+        notes=(
+            *profile.notes,
+            f"FSDP2 over {world_size} ranks: parameters, gradients and optimizer state sharded; "
+            f"all-gathers and reduce-scatter {per_micro_batch:.3g} s per micro-batch on {spec.interconnect}, "
+            "not overlapped",
+        ),
+    )
+    return changed, parts
+
+
+def rank_breakdown(
+    parts: Sequence[tuple[str, int]], extras: Sequence[tuple[str, int]], context_bytes: int
+) -> tuple[tuple[str, int], ...]:
+    """The plan's peak parts with the slack split into what it holds (extras, the context allowance)."""
+    result: list[tuple[str, int]] = []
+    for name, value in parts:
+        if name == "slack":
+            rest = value - sum(v for _, v in extras) - context_bytes
+            result.extend(extras)
+            if context_bytes:
+                result.append(("CUDA context and workspaces (allowance)", context_bytes))
+            if rest:
+                result.append(("slack", rest))
+        else:
+            result.append((name, value))
+    return tuple(result)
+
+
+def accelerate_estimate(model: nn.Module, precision: str) -> int:
+    """What ``accelerate estimate-memory`` prints as "Training using Adam" for this model.
+
+    accelerate sizes the model in float32 (its parameters and buffers), then for training with Adam
+    takes the largest of model, gradients, optimizer state and step (``estimate_training_usage``):
+    4x the float32 size for float32, 2x for float16 / bfloat16. No activations.
+    """
+    fp32_bytes = 4 * (sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers()))
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
+    try:
+        from accelerate.commands.estimate import estimate_training_usage
+
+        usage: dict[str, Any] = estimate_training_usage(fp32_bytes, dtype)
+        return int(max(usage.values()))
+    except ImportError:
+        return 4 * fp32_bytes if dtype == "float32" else 2 * fp32_bytes
+
+
+def korthikanti_bytes(model: nn.Module, *, seq_len: int, micro_batch_size: int) -> int | None:
+    """Activation bytes of all layers by Korthikanti et al. 2022: L * s b h (34 + 5 a s / h).
+
+    None when the model has no transformer config (hidden size, heads, layers).
+    """
+    config = getattr(model, "config", None)
+    h = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    a = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    if not (isinstance(h, int) and isinstance(a, int) and isinstance(layers, int)):
+        return None
+    s, b = seq_len, micro_batch_size
+    return math.ceil(layers * s * b * h * (34 + 5 * a * s / h))
+
+
+def layer_activation_bytes(profile: Profile, micro_batch_size: int) -> int:
+    """microbatch's own count: what the blocks keep for backward, none checkpointed."""
+    return math.ceil(sum(segment.costs[NONE].kept(micro_batch_size) for segment in profile.blocks))
+
+
+def sequence_length(batch: Any) -> int | None:
+    """The sequence length of a token batch (a dict with input_ids, or a 2-D integer tensor)."""
+    if isinstance(batch, dict):
+        batch = batch.get("input_ids")
+    if isinstance(batch, torch.Tensor) and batch.dim() == 2 and not batch.is_floating_point():
+        return int(batch.shape[1])
+    return None

@@ -1,0 +1,119 @@
+"""A roofline time model per aten op, and collective communication times; no device needed.
+
+Each op that computes (not a view or a metadata op) costs
+
+    seconds = max(flops / peak(dtype), bytes_moved / bandwidth) + launch_floor
+
+FLOPs come from torch's own formulas (``torch.utils.flop_counter``, the registry FlopCounterMode
+uses: matmuls, convolutions, attention); ops without a formula are taken as bandwidth-bound.
+``bytes_moved`` is what the op reads and writes: the bytes of its tensor inputs and outputs. The
+peak is the device's matmul rate for the op's dtype (TF32 for float32 when allowed). This is a
+lower bound on time: fused kernels move less, and no real kernel reaches the peak.
+
+``RooflineClock`` is a dispatch mode that adds up these seconds as ops run (under FakeTensorMode
+too, which runs no kernel), so a simulated forward and backward read a clock as a real one reads
+``time.perf_counter``.
+
+Collectives (ring algorithms, the bandwidth term only) for W ranks and a message of n bytes on a
+link of bandwidth B per direction: all-reduce 2 (W - 1) / W * n / B; all-gather and reduce-scatter
+(W - 1) / W * n / B, where n is the full (unsharded) size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from ..devices import DeviceSpec
+
+# Ops that move no data although their schema does not say "view".
+_FREE = {
+    torch.ops.aten.detach.default,
+    torch.ops.aten.lift_fresh.default,
+    torch.ops.aten._unsafe_view.default,
+}
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [t for item in tree for t in _tensors(item)]
+    if isinstance(tree, dict):
+        return [t for item in tree.values() for t in _tensors(item)]
+    return []
+
+
+def tensor_bytes(tree: Any) -> int:
+    """Bytes of the elements the tensors in ``tree`` hold (views count what they see)."""
+    return sum(t.numel() * t.element_size() for t in _tensors(tree))
+
+
+def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
+    """FLOPs of one aten op by torch's formulas; 0 for ops without one."""
+    formula = flop_registry.get(getattr(func, "_overloadpacket", None))
+    if formula is None:
+        return 0
+    try:
+        return int(formula(*args, **kwargs, out_val=out))
+    except (TypeError, ValueError, AssertionError, RuntimeError, AttributeError):
+        return 0  # an overload the formula does not describe: bandwidth-bound
+
+
+def _dtype(args: tuple[Any, ...], out: Any) -> torch.dtype:
+    for tensor in (*_tensors(args), *_tensors(out)):
+        if tensor.is_floating_point():
+            return tensor.dtype
+    return torch.float32
+
+
+class RooflineClock(TorchDispatchMode):
+    """Adds each op's roofline seconds to ``seconds`` (and its FLOPs to ``flops``) as ops run."""
+
+    def __init__(self, spec: DeviceSpec, *, tf32: bool = False) -> None:
+        super().__init__()
+        self.spec, self.tf32 = spec, tf32
+        self.seconds = 0.0
+        self.flops = 0
+        self.ops = 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.seconds += self.op_seconds(func, args, kwargs, out)
+        return out
+
+    def op_seconds(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float:
+        """The roofline seconds of one op; 0 for views and ops that move no data."""
+        in_place = str(getattr(func, "_overloadpacket", "")).endswith("_")  # _foreach_add_ returns None
+        if func in _FREE or getattr(func, "is_view", False) or not (_tensors(out) or in_place):
+            return 0.0  # views, and metadata queries (device, sizes) that return no tensor
+        # An in-place foreach op returns nothing but writes its first argument back.
+        written = tensor_bytes(out) if _tensors(out) else tensor_bytes(args[:1])
+        moved = tensor_bytes(args) + tensor_bytes(kwargs) + written
+        if moved == 0:
+            return 0.0
+        flops = op_flops(func, args, kwargs, out)
+        self.flops += flops
+        self.ops += 1
+        compute = flops / self.spec.flops(_dtype(args, out), tf32=self.tf32) if flops else 0.0
+        return max(compute, moved / self.spec.memory_bytes_per_second) + self.spec.launch_seconds
+
+
+def all_reduce_seconds(message_bytes: float, world_size: int, spec: DeviceSpec) -> float:
+    """Ring all-reduce of ``message_bytes`` across ``world_size`` ranks (bandwidth term)."""
+    if world_size <= 1:
+        return 0.0
+    return 2 * (world_size - 1) / world_size * message_bytes / spec.interconnect_bytes_per_second
+
+
+def all_gather_seconds(message_bytes: float, world_size: int, spec: DeviceSpec) -> float:
+    """Ring all-gather (or reduce-scatter) whose full, unsharded result is ``message_bytes``."""
+    if world_size <= 1:
+        return 0.0
+    return (world_size - 1) / world_size * message_bytes / spec.interconnect_bytes_per_second
