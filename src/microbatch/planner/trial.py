@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .. import distributed
 from ..accumulate import Accumulator
 from ..batching import batch_size_of, move_batch
 from ..checkpoint import BlockSpec, checkpoint
@@ -407,6 +408,7 @@ def _validate(batch: int, world_size: int) -> int:
     return batch // world_size
 
 
+@distributed.single_process()
 def plan(
     workload: Workload | str,
     *,
