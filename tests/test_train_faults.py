@@ -5,6 +5,7 @@ Each test here failed before its fix (issue #11's training-run items).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 import microbatch.training.loop as loop_module
+import microbatch.training.run_folder as run_folder
 import microbatch.training.session as session_module
 from microbatch import cli
 from microbatch.errors import ConfigError, TrainingError
@@ -248,5 +250,53 @@ def test_full_disk_on_save_is_a_clear_error(
     assert code == 2, err
     assert "the disk is full" in last_line(err)
     assert "previous checkpoint is intact" in last_line(err)
+    assert (run_dir / "checkpoint.pt").read_bytes() == before
+    assert not list(run_dir.glob(".*.tmp"))
+
+
+@contextlib.contextmanager
+def file_size_limit(limit_bytes: int) -> Iterator[None]:
+    """RLIMIT_FSIZE for this process (a full disk without filling one): writes past it fail with EFBIG."""
+    resource = pytest.importorskip("resource")
+    if not hasattr(signal, "SIGXFSZ"):
+        pytest.skip("no RLIMIT_FSIZE here")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if hard != resource.RLIM_INFINITY and hard < limit_bytes:
+        pytest.skip("the file-size limit is already lower")
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # Python ignores it already; be sure
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def test_torch_save_past_a_file_size_limit_is_an_oserror_and_the_old_file_stays(tmp_path: Path) -> None:
+    path = str(tmp_path / "checkpoint.pt")
+    run_folder.atomic_write(path, lambda file: torch.save({"small": torch.zeros(10)}, file))
+    before = Path(path).read_bytes()
+    with file_size_limit(64 * 1024), pytest.raises(OSError, match="large") as raised:
+        # torch.save alone raises "RuntimeError: ... unexpected pos" here, naming no file and no cause
+        run_folder.atomic_write(path, lambda file: torch.save({"big": torch.zeros(100_000)}, file))
+    assert raised.value.errno == errno.EFBIG
+    assert Path(path).read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # no partial temp file
+
+
+def test_checkpoint_past_a_file_size_limit_is_a_clear_error_naming_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "r"
+    assert run_train(*NANO, "--steps", "1", "--out", str(run_dir), capsys=capsys)[0] == 0
+    before = (run_dir / "checkpoint.pt").read_bytes()
+    limit = len(before) - 4096  # the text files fit, the next checkpoint does not
+    with file_size_limit(limit):
+        code, _, err = run_train("--resume", "--steps", "2", "--out", str(run_dir), capsys=capsys)
+    assert code == 2, err
+    assert "Traceback" not in err
+    line = last_line(err)
+    assert str(run_dir / "checkpoint.pt") in line and "EFBIG" in line and "ulimit -f" in line, line
+    assert "previous checkpoint is intact" in line and "--resume" in line
     assert (run_dir / "checkpoint.pt").read_bytes() == before
     assert not list(run_dir.glob(".*.tmp"))

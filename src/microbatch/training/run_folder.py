@@ -38,15 +38,49 @@ def _fsync_directory(path: str) -> None:
             os.close(descriptor)
 
 
+class _RecordingWriter:
+    """A binary file's ``write`` that remembers the OSError it raised.
+
+    torch.save writes through C++ (PyTorchFileWriter), which turns a failed write (ENOSPC, EFBIG
+    under a file-size limit, EDQUOT) into a RuntimeError such as "unexpected pos 187968 vs 187856"
+    that names neither the file nor the cause; the recorded OSError is raised in its place.
+    """
+
+    def __init__(self, file: Any) -> None:
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return int(self.file.write(data))
+        except OSError as error:
+            self.error = self.error or error
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def atomic_write(path: str, write: Callable[[Any], None], *, binary: bool = True) -> None:
-    """Write a file so a reader sees the old or the new content, never a part: temp, fsync, rename."""
+    """Write a file so a reader sees the old or the new content, never a part: temp, fsync, rename.
+
+    A failed write (a full disk, a file-size limit, a quota) raises OSError with its errno, the old
+    file untouched and the temporary file removed, also when the writer (torch.save) hides the
+    OSError inside a RuntimeError.
+    """
     directory = os.path.dirname(os.path.abspath(path))
     temporary = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     # Mode 0o666 less the umask, like any new file (mkstemp would make it private to the owner).
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(descriptor, "wb" if binary else "w") as file:
-            write(file)
+            recorder = _RecordingWriter(file)
+            try:
+                write(recorder if binary else file)
+            except RuntimeError as error:
+                if recorder.error is None:
+                    raise
+                raise recorder.error from error
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)

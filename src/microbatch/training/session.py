@@ -225,10 +225,22 @@ def save(session: Session) -> None:
 
 def storage_error(path: str, step: int, error: OSError) -> TrainingError:
     """The clear error for a run-folder write that failed (a full disk, most often)."""
-    reason = (
-        "the disk is full" if error.errno in (errno.ENOSPC, errno.EDQUOT) else (error.strerror or str(error))
-    )
+    if error.errno == errno.ENOSPC:
+        reason, fix = "the disk is full", "free space (or choose another --out)"
+    elif error.errno == errno.EDQUOT:
+        reason, fix = "the disk quota is exhausted", "free space in your quota (or choose another --out)"
+    elif error.errno == errno.EFBIG:
+        reason = "the file is larger than this process's file-size limit allows (EFBIG)"
+        fix = "raise the limit (ulimit -f unlimited, or your scheduler's file-size limit)"
+    else:
+        reason, fix = error.strerror or str(error), "fix the cause (or choose another --out)"
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    if os.path.isfile(os.path.join(folder, CHECKPOINT_FILE)):
+        return TrainingError(
+            f"cannot write {path!r} at step {step}: {reason}. The previous checkpoint is intact and the "
+            f"partial file was removed; {fix} and resume with --resume"
+        )
     return TrainingError(
-        f"cannot write {path!r} at step {step}: {reason}. The previous checkpoint is intact; free space "
-        "(or choose another --out) and resume with --resume"
+        f"cannot write {path!r} at step {step}: {reason}. No checkpoint was saved yet (the partial file "
+        f"was removed); {fix} and start the run again"
     )
