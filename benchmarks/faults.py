@@ -480,7 +480,7 @@ def training_cases(work: str) -> list[Case]:
         judged(ran, ok=lambda r: False),
         ran,
     )
-    cases += [sigterm_case(work), training_oom_case(work), skipped_windows_case(work)]
+    cases += [sigterm_case(work), *training_oom_cases(work), skipped_windows_case(work)]
     cases += torchrun_cases(work)
     return cases
 
@@ -609,7 +609,8 @@ gpt.GPT.forward = forward
 try:
     summary = train(TrainConfig(model="gpt-nano", batch=8, micro_batch=3, steps={steps},
                                 out={out!r}, checkpoint_interval=1))
-    print("{done_outcome}|finished " + str(summary.steps_done) + " steps")
+    done = str(summary.steps_done) + " steps, " + str(summary.replans) + " re-plans"
+    print("{done_outcome}|finished " + done)
 except Exception as error:
     from microbatch.errors import MicrobatchError
     kind = "clear error" if isinstance(error, MicrobatchError) else "traceback"
@@ -617,23 +618,31 @@ except Exception as error:
 """
 
 
-def training_oom_case(work: str) -> Case:
-    code = TRAIN_IN_PROCESS.format(
-        inject='if calls[0] == 7: raise torch.OutOfMemoryError("simulated: CUDA out of memory")',
-        steps=6,
-        out=os.path.join(work, "oom"),
-        done_outcome="ok",
-    )
-    ran = python(code, timeout=180)
-    outcome, detail = snippet_outcome(ran)
-    return Case(
-        "training-time out of memory",
-        "saved, re-planned, run continues",
-        outcome,
-        detail,
-        ran.seconds,
-        "training",
-    )
+def training_oom_cases(work: str) -> list[Case]:
+    """A manual plan (--micro-batch 3) out of memory: in a training forward, and while evaluating.
+
+    Forward calls: step 1 runs 3 micro-batches (calls 1-3), its evaluation 4 batches (4-7), step 2's
+    micro-batches are calls 8-10. Training: re-planned (1 re-plan), same window again. Evaluating:
+    the step is done, the evaluation runs again in pieces (no re-plan).
+    """
+    cases = []
+    for name, inject, replans in (
+        ("training-time out of memory (manual plan)", "calls[0] == 9 and self.training", 1),
+        ("out of memory while evaluating (manual plan)", "calls[0] == 5 and not self.training", 0),
+    ):
+        code = TRAIN_IN_PROCESS.format(
+            inject=f'if {inject}: raise torch.OutOfMemoryError("simulated: CUDA out of memory")',
+            steps=6,
+            out=os.path.join(work, "oom-" + str(replans)),
+            done_outcome="ok",
+        )
+        ran = python(code, timeout=180)
+        outcome, detail = snippet_outcome(ran)
+        if outcome == "ok" and f"{replans} re-plans" not in detail:
+            outcome = "silent wrong"
+        expected = "saved, re-planned, run continues" if replans else "evaluated in pieces, run continues"
+        cases.append(Case(name, expected, outcome, detail, ran.seconds, "training"))
+    return cases
 
 
 def skipped_windows_case(work: str) -> Case:

@@ -300,3 +300,51 @@ def test_checkpoint_past_a_file_size_limit_is_a_clear_error_naming_the_fix(
     assert "previous checkpoint is intact" in line and "--resume" in line
     assert (run_dir / "checkpoint.pt").read_bytes() == before
     assert not list(run_dir.glob(".*.tmp"))
+
+
+def test_out_of_memory_while_evaluating_a_manual_plan_evaluates_in_pieces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = dataclasses.replace(BASE, micro_batch=3, steps=2, eval_interval=1)
+    reference = train(dataclasses.replace(config, out=str(tmp_path / "reference")))
+    real_loss = loop_module.gpt_loss
+    calls = {"n": 0}
+
+    def failing_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+        if not model.training:  # an evaluation forward: the first one, after step 1, runs out of memory
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_loss(model, batch)
+
+    monkeypatch.setattr(loop_module, "gpt_loss", failing_loss)
+    with caplog.at_level(logging.WARNING, logger="microbatch"):
+        recovered = train(dataclasses.replace(config, out=str(tmp_path / "recovered")))
+    assert "out of memory while evaluating at step 1" in caplog.text
+    assert recovered.steps_done == 2 and recovered.replans == 0
+    a, b = read_metrics(tmp_path / "reference"), read_metrics(tmp_path / "recovered")
+    # The steps are untouched (bitwise); the validation loss of pieces equals the whole batches' up
+    # to float32 rounding of the per-piece means.
+    assert [m["loss"] for m in a] == [m["loss"] for m in b]
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(y["val_loss"], x["val_loss"], rtol=1e-6, atol=0)
+    assert recovered.tokens == reference.tokens
+
+
+def test_out_of_memory_evaluating_one_sequence_saves_the_step_and_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_loss = loop_module.gpt_loss
+
+    def failing_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+        if not model.training:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_loss(model, batch)
+
+    monkeypatch.setattr(loop_module, "gpt_loss", failing_loss)
+    run_dir = tmp_path / "r"
+    config = dataclasses.replace(BASE, micro_batch=3, steps=3, eval_interval=1, out=str(run_dir))
+    with pytest.raises(TrainingError, match=r"single validation sequence after step 1.*--resume"):
+        train(config)
+    assert load_checkpoint(str(run_dir / "checkpoint.pt"))["step"] == 1
+    assert [m["step"] for m in read_metrics(run_dir)] == [1]

@@ -6,6 +6,7 @@
 - a training-time out-of-memory error (single process) undoes the window (gradients dropped, the
   data stream and random state put back to the window's start), saves the checkpoint, re-plans
   without the failed configuration and runs the same window again (see ``_recover``);
+- an out-of-memory error while evaluating (after the step) evaluates again in smaller pieces;
 - ``config.max_skipped_windows`` skipped optimizer steps in a row stop the run (TrainingError);
 - SIGINT / SIGTERM stop it at the next window boundary (signals.py).
 """
@@ -25,7 +26,7 @@ import torch
 
 from .. import distributed
 from ..accumulate import WindowStats
-from ..batching import move_batch, split_batch
+from ..batching import batch_size_of, move_batch, split_batch
 from ..errors import TrainingError, WorkloadError
 from ..memory import MemoryTracker
 from ..models.workloads import gpt_loss
@@ -91,21 +92,63 @@ def autocast(session: Session) -> contextlib.AbstractContextManager[Any]:
 
 
 @torch.no_grad()
-def evaluate(session: Session) -> float:
-    """Token-weighted mean validation loss over the fixed validation batches."""
-    session.raw_model.eval()
+def _validation_loss(session: Session, rows: int | None) -> float:
+    """Token-weighted mean validation loss, each batch run in pieces of at most ``rows`` sequences."""
     total_loss: torch.Tensor | float = 0.0
     total_tokens: torch.Tensor | int = 0
-    try:
-        for batch in session.validation:
+    for batch in session.validation:
+        size = batch_size_of(batch)
+        step = size if rows is None else min(rows, size)
+        for piece in split_batch(batch, [step] * (size // step) + ([size % step] if size % step else [])):
             with autocast(session):
-                loss, tokens = gpt_loss(session.raw_model, move_batch(batch, session.device))
-            # Summed on the device and read once at the end: no host sync per batch.
+                loss, tokens = gpt_loss(session.raw_model, move_batch(piece, session.device))
+            # Summed on the device and read once at the end: no host sync per batch. A batch's mean
+            # loss times its tokens is its summed loss, so pieces add up to the whole batch's sum.
             total_loss = total_loss + loss.double() * tokens
             total_tokens = total_tokens + tokens
+    return float(total_loss) / max(int(total_tokens), 1)
+
+
+def evaluate(session: Session) -> float:
+    """Token-weighted mean validation loss over the fixed validation batches.
+
+    Evaluation runs after the optimizer step, so running out of memory here loses nothing: the
+    memory is freed and the same batches are evaluated again in pieces of half as many sequences
+    (the same token-weighted mean, up to rounding), down to one sequence; the piece size that fits
+    is kept for later evaluations (``session.eval_rows``). Out of memory at one sequence stops the
+    run with a TrainingError after the caller saves.
+    """
+    session.raw_model.eval()
+    try:
+        while True:
+            failed = False
+            try:
+                return _validation_loss(session, session.eval_rows)
+            except (RuntimeError, MemoryError) as error:
+                if not is_out_of_memory(error):
+                    raise
+                failed = True
+            if failed:  # outside the handler, so the failed pieces' tensors can be freed
+                free_memory(session.device)
+                _halve_eval_rows(session)
     finally:
         session.raw_model.train()
-    return float(total_loss) / max(int(total_tokens), 1)
+
+
+def _halve_eval_rows(session: Session) -> None:
+    rows = session.eval_rows or max(batch_size_of(batch) for batch in session.validation)
+    if rows <= 1:
+        raise TrainingError(
+            f"out of memory evaluating a single validation sequence after step {session.step}; the step "
+            "is saved; give the run more memory (or use a smaller --model) and resume with --resume"
+        )
+    session.eval_rows = rows // 2
+    logger.warning(
+        "out of memory while evaluating at step %d (the step itself is done); evaluating again in "
+        "pieces of %d sequences",
+        session.step,
+        session.eval_rows,
+    )
 
 
 def _window_batches(session: Session) -> list[dict[str, torch.Tensor]]:
@@ -271,7 +314,12 @@ def run_windows(session: Session, *, progress: Callable[[StepReport], None] | No
             record = _record(session, stats, seconds, peak)
             last = session.step == config.steps
             if session.step % eval_interval == 0 or last:
-                record["val_loss"] = evaluate(session)
+                try:
+                    record["val_loss"] = evaluate(session)
+                except TrainingError:  # out of memory at one sequence: keep the step, then stop
+                    _append_metrics(session, record)
+                    save(session)
+                    raise
             _append_metrics(session, record)
             _check_skipped(session)
             stopping, signal_name = stop.agreed()

@@ -58,6 +58,7 @@ class Session:
     replans: int = 0
     documents: tuple[bytes, ...] = ()  # the training documents (the planner draws its own batches)
     token_steps: TokenSteps | None = None  # set when micro-batches are split by tokens (tokens.py)
+    eval_rows: int | None = None  # validation sequences per forward after an evaluation OOM (loop.py)
 
 
 def build_model(config: TrainConfig, device: torch.device) -> GPT:
