@@ -4,6 +4,10 @@ Each case injects one fault and sorts what happened into one outcome:
 
     ok            the work goes on (or is refused before anything starts) and the result is right
     clear error   one line that names the problem and the fix, exit status 2, nothing lost
+    launcher traceback
+                  torchrun's own launcher printed its SignalException traceback and exited 1 after
+                  our workers stopped cleanly and saved (not avoidable from the workers: see
+                  torchrun_interrupt_case)
     traceback     a raw traceback, or a message that is misleading
     hang          no answer within the case's time limit
     silent wrong  it "works" but the result is wrong (a gradient, a count, a leaked file)
@@ -46,7 +50,7 @@ import results  # benchmarks/results.py
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION_TITLE = "Faults"
-OUTCOMES = ("ok", "clear error", "traceback", "hang", "silent wrong", "data lost")
+OUTCOMES = ("ok", "clear error", "launcher traceback", "traceback", "hang", "silent wrong", "data lost")
 # A tiny training run: seconds of compute, 3 micro-batches per step (3 + 3 + 2), no planning.
 TINY = ["--model", "gpt-nano", "--batch", "8", "--micro-batch", "3", "--no-progress"]
 # The same with the planner (a budget under which it accumulates).
@@ -500,6 +504,20 @@ def torchrun_cases(work: str) -> list[Case]:
     cases = [
         Case("torchrun 2 ranks: planner warnings", "no false DDP warnings", *verdict, ran.seconds, "training")
     ]
+    cases.append(torchrun_interrupt_case(work))
+    return cases
+
+
+def torchrun_interrupt_case(work: str) -> Case:
+    """Ctrl-C to torchrun: the workers save and exit 130; the launcher's own traceback is classified apart.
+
+    torchrun starts each worker in a session of its own, so a terminal's Ctrl-C (SIGINT to the
+    foreground group) reaches the launcher only. Its handler (torch.distributed.elastic.multiprocessing
+    .api._terminate_process_handler, for every signal in --signals-to-handle, SIGTERM included) raises
+    SignalException; the agent forwards the signal to the workers, waits for them, then re-raises it
+    and the launcher exits 1 with that traceback, however the workers exit. Judged: each traceback
+    in the output is that SignalException of the launcher's own pid, and the workers saved.
+    """
     out = os.path.join(work, "ddp-int")
     began = time.perf_counter()
     process = subprocess.Popen(
@@ -517,30 +535,31 @@ def torchrun_cases(work: str) -> list[Case]:
             break
         time.sleep(0.05)
     os.killpg(process.pid, signal.SIGINT)  # Ctrl-C reaches the whole foreground group
+    expected = "workers save, exit 130, resume command"
     try:
         _, err = process.communicate(timeout=90)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
-        _, err = process.communicate()
-        cases.append(Case("torchrun Ctrl-C", "saved, exit 130, no traceback", "hang", "", 90, "training"))
-        return cases
-    if TRACEBACK in err or "SignalException" in err:
-        outcome, detail = "traceback", f"exit {process.returncode}, SignalException/traceback"
-    elif not Path(out, "checkpoint.pt").exists():
-        outcome, detail = "data lost", f"exit {process.returncode}, no checkpoint"
-    else:
-        outcome, detail = ("ok" if process.returncode == 130 else "traceback"), f"exit {process.returncode}"
-    cases.append(
-        Case(
-            "torchrun Ctrl-C",
-            "saved, exit 130, no traceback",
-            outcome,
-            detail,
-            time.perf_counter() - began,
-            "training",
+        process.communicate()
+        return Case("torchrun Ctrl-C", expected, "hang", "", 90, "training")
+    outcome, detail = _torchrun_interrupt_outcome(process, err, out)
+    return Case("torchrun Ctrl-C", expected, outcome, detail, time.perf_counter() - began, "training")
+
+
+def _torchrun_interrupt_outcome(process: subprocess.Popen[str], err: str, out: str) -> tuple[str, str]:
+    launcher = f"SignalException: Process {process.pid} got signal"
+    tracebacks, launchers = err.count(TRACEBACK), err.count(launcher)
+    saved = "Resume with: microbatch train --resume" in err and Path(out, "checkpoint.pt").exists()
+    if tracebacks > launchers:
+        return (
+            "traceback",
+            f"exit {process.returncode}, {tracebacks - launchers} traceback(s) not the launcher's",
         )
-    )
-    return cases
+    if not saved:
+        return "data lost", f"exit {process.returncode}, no checkpoint or no resume command"
+    if launchers:
+        return "launcher traceback", f"torchrun's own; workers saved; launcher exit {process.returncode}"
+    return ("ok" if process.returncode == 130 else "traceback"), f"exit {process.returncode}"
 
 
 def sigterm_case(work: str) -> Case:
@@ -805,7 +824,9 @@ def section(report: dict[str, Any]) -> str:
         [
             "Every fault of issue #11 injected (benchmarks/faults.py): what a user gets. Target: "
             "0 traceback, 0 hang, 0 silent wrong, 0 data lost. owner: library = accumulation, planner, CLI; "
-            "training = the training loop.",
+            "training = the training loop. launcher traceback: torchrun's own launcher re-raises the "
+            "signal (SignalException, exit 1) after our workers saved and printed the resume command; "
+            "not avoidable from the workers (README, torchrun paragraph).",
             "",
             f"Totals: {totals} ({len(report['cases'])} cases, {report['seconds']:.0f} s).",
             "",
