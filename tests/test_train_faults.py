@@ -140,10 +140,25 @@ def test_fewer_steps_than_a_finished_run_is_an_error(
 ) -> None:
     run_dir = tmp_path / "r"
     assert run_train(*NANO, "--steps", "3", "--out", str(run_dir), capsys=capsys)[0] == 0
-    for steps in ("2", "3"):
-        code, _, err = run_train("--resume", "--steps", steps, "--out", str(run_dir), capsys=capsys)
-        assert code == 2, err
-        assert "already done 3 optimizer steps" in last_line(err)
+    code, _, err = run_train("--resume", "--steps", "2", "--out", str(run_dir), capsys=capsys)
+    assert code == 2, err
+    assert "already done 3 optimizer steps" in last_line(err)
+    assert len(read_metrics(run_dir)) == 3
+
+
+def test_resuming_a_run_killed_after_its_last_checkpoint_writes_its_summary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "r"
+    assert run_train(*NANO, "--steps", "3", "--out", str(run_dir), capsys=capsys)[0] == 0
+    before = (run_dir / "checkpoint.pt").read_bytes()
+    (run_dir / "summary.json").unlink()  # kill -9 between the last checkpoint and the summary
+    code, _, err = run_train("--resume", "--out", str(run_dir), capsys=capsys)
+    assert code == 0, err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["steps_done"], summary["total_steps"]) == (3, 3)
+    assert summary["tokens"] == sum(record["items"] for record in read_metrics(run_dir))
+    assert (run_dir / "checkpoint.pt").read_bytes() == before  # nothing trained, nothing rewritten
     assert len(read_metrics(run_dir)) == 3
 
 

@@ -7,6 +7,7 @@ that fails to start leaves no folder behind.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -23,6 +24,8 @@ from .run_folder import (
     load_checkpoint,
     remove_stale_temporaries,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,13 @@ def open_run(config: TrainConfig) -> RunStart:
         ) from error
     _check_resume_matches(config, saved_config, path)
     start = RunStart(run_dir=run_dir, state=state, saved_config=saved_config, saved_plan=saved_plan)
-    if config.steps <= start.saved_step:
+    if config.steps == start.saved_step:  # killed after its last checkpoint, before summary.json
+        logger.info(
+            "the run in %s has done all %d steps; writing its summary (pass --steps N to train further)",
+            run_dir,
+            config.steps,
+        )
+    if config.steps < start.saved_step:
         raise ConfigError(
             f"--steps {config.steps}: the run in {run_dir!r} has already done {start.saved_step} "
             "optimizer steps; "
