@@ -10,8 +10,8 @@ and loss). For each segment and policy:
                     saved (each storage once), what a checkpoint holds, the output
     peak_bytes      the most live bytes while the segment runs forward or backward, minus the live
                     bytes at its forward start (a recomputed block's activations live again here)
-    forward_seconds, backward_seconds   medians over timed rounds; a checkpointed block's backward
-                    includes its recompute
+    forward_seconds, backward_seconds   from the fastest timed round (assemble.fastest_runs); a
+                    checkpointed block's backward includes its recompute
     boundary_bytes  the block's input
 
 Live bytes are read from a MemoryTracker at the hooks: the same counting as the planner's trial,

@@ -221,6 +221,8 @@ class Profile:
     # (max - min) / median over the timed runs): the planner treats predicted times closer than
     # this as ties.
     time_noise: float = 0.0
+    # What the times were read from: "wall" or "cpu", the profiling thread's CPU time (clocks.py).
+    clock: str = "wall"
 
     @property
     def static_bytes(self) -> int:
@@ -260,6 +262,7 @@ class Profile:
             "loop_seconds": self.loop_seconds.to_dict(),
             "slack_bytes": self.slack_bytes,
             "profile_seconds": self.profile_seconds,
+            "clock": self.clock,
             "notes": list(self.notes),
             "segments": [segment.to_dict() for segment in self.segments],
         }
