@@ -150,3 +150,17 @@ def test_clocks() -> None:
         torch.set_num_threads(threads)
     assert profile.clock == "cpu" and profile.to_dict()["clock"] == "cpu"
     assert profile.step_seconds > 0
+
+
+def test_times_run_through_the_measurements_and_beyond_along_the_line() -> None:
+    sizes, values = [1, 8, 16], [9.0, 42.0, 88.0]  # a noisy 16 pulls the line's value at 1
+    fit = Fit.of(sizes, values, nonnegative=True, interpolate=True, line_beyond=True)
+    line = Fit.of(sizes, values, nonnegative=True)
+    assert line(1) != pytest.approx(9.0, rel=0.05)
+    for size, value in zip(sizes, values, strict=True):
+        assert fit(size) == pytest.approx(value)
+    assert fit(12) == pytest.approx(42.0 + (88.0 - 42.0) * 4 / 8)
+    # Beyond the profiled sizes: from the nearest measurement along the least-squares slope.
+    assert fit.slope == pytest.approx(line.slope)
+    assert fit(64) == pytest.approx(88.0 + line.slope * 48)
+    assert fit.to_dict()["line_beyond"] is True

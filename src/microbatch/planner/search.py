@@ -20,7 +20,8 @@ For a fixed b the choice is the fastest point of the steady chain's frontier (so
 whose two-phase peak fits: exact when the steady phase bounds the first, as without selective
 checkpointing. Only the smallest b for each N is searched: with time linear in b, N
 micro-batches cost N * a + k * B_rank whatever their split, and the smallest b needs the least
-memory; every other b is dominated.
+memory; every other b is dominated (the profile's times run through its measurements, Fit.line_beyond:
+linear between them, so nearly so).
 
 Ties: predicted times are fits of measured ones, which repeat only to within the profile's noise
 n = Profile.time_noise. Two plans' times can each be off by n in opposite directions, so plans

@@ -61,7 +61,8 @@ def _policy_cost(
         return Fit.of(sizes, [getattr(run, quantity) for run in runs], interpolate=True)
 
     def seconds_fit(quantity: str) -> Fit:
-        return Fit.of(sizes, [getattr(run, quantity) for run in timed], nonnegative=True)
+        values = [getattr(run, quantity) for run in timed]
+        return Fit.of(sizes, values, nonnegative=True, interpolate=True, line_beyond=True)
 
     differs = any(
         (a.kept_bytes, a.peak_bytes) != (b.kept_bytes, b.peak_bytes)
@@ -126,7 +127,7 @@ def _loop_seconds(measured: Measurements) -> Fit:
         )
         for size in measured.sizes
     ]
-    return Fit.of(measured.sizes, outside_segments, nonnegative=True)
+    return Fit.of(measured.sizes, outside_segments, nonnegative=True, interpolate=True, line_beyond=True)
 
 
 def _slack_bytes(
