@@ -9,13 +9,14 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import microbatch as mb
+from microbatch.allocator import round_size, segment_size
 from microbatch.checkpoint import find_blocks
 from microbatch.devices import DeviceSpec, device_spec, devices
 from microbatch.errors import CheckpointError, ConfigError
 from microbatch.planner.search import Candidate
 from microbatch.planner.trial import run_trial
 from microbatch.profile.roofline import RooflineClock, all_gather_seconds, all_reduce_seconds
-from microbatch.profile.simulate import cuda_block_bytes, simulate_window
+from microbatch.profile.simulate import simulate_window
 from microbatch.workload import load_workload
 
 CPU = devices()["cpu"].replace(context_bytes=0)
@@ -77,8 +78,8 @@ def test_collectives_and_allocator_rounding() -> None:
     assert all_reduce_seconds(n, 1, spec) == 0
     assert all_reduce_seconds(n, 8, spec) == pytest.approx(2 * 7 / 8 * n / spec.interconnect_bytes_per_second)
     assert all_gather_seconds(n, 8, spec) == pytest.approx(all_reduce_seconds(n, 8, spec) / 2)
-    assert cuda_block_bytes(1) == 512 and cuda_block_bytes(1024**2 + 1) == 1024**2 + 512
-    assert cuda_block_bytes(11 * 1024**2) == 12 * 1024**2
+    assert round_size(1) == 512 and round_size(1024**2 + 1) == 1024**2 + 512
+    assert segment_size(11 * 1024**2) == 12 * 1024**2
 
 
 def _policies(workload: mb.Workload) -> list[dict[str, str]]:

@@ -16,7 +16,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / "microbatch"
 MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 450
 # Modules being split by other work; they and their functions are exempt until then.
-ALLOWED = frozenset({"accumulate.py", "checkpoint.py", "verify.py", "memory.py", "planner/trial.py"})
+ALLOWED = frozenset({"accumulate.py", "memory.py", "planner/trial.py"})
 
 PUBLIC_NAMES = [
     "Accumulator",

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -269,11 +269,14 @@ class CachingAllocatorModel:
         pool.release(block)
 
 
-def replay(events: Iterable[int], *, expandable_segments: bool = False) -> AllocatorPeaks:
+def replay(
+    events: Iterable[int], *, expandable_segments: bool = False, capacity_bytes: int | None = None
+) -> AllocatorPeaks:
     """Peaks of a sequence of events: n >= 0 allocates n bytes (0: nothing, as CUDA does), ``-k``
     frees the k-th allocation (counting from 1, in the order made). MemoryTracker(record_allocations=True)
-    records such a sequence."""
-    model = CachingAllocatorModel(expandable_segments=expandable_segments)
+    records such a sequence. With ``capacity_bytes`` the allocator may reserve no more (it releases
+    its cached free segments first, as before a CUDA OOM); AllocatorOutOfMemoryError when it must."""
+    model = CachingAllocatorModel(expandable_segments=expandable_segments, capacity_bytes=capacity_bytes)
     handles: list[int | None] = []
     for event in events:
         if event >= 0:
@@ -283,6 +286,34 @@ def replay(events: Iterable[int], *, expandable_segments: bool = False) -> Alloc
             if handle is not None:
                 model.free(handle)
     return AllocatorPeaks(model.peak_allocated_bytes, model.peak_reserved_bytes)
+
+
+def least_reserved(
+    events: Sequence[int], *, expandable_segments: bool = False, resolution_bytes: int = ROUND_LARGE_BYTES
+) -> AllocatorPeaks:
+    """The peaks of ``events`` on the smallest device they run on without an OOM.
+
+    Without a limit the allocator never gives a segment back, so a sequence whose tensors grow
+    reserves new segments while older, smaller ones sit cached and free: the unlimited reserved
+    peak R overstates what the sequence needs. With capacity C the allocator releases its free
+    segments before it fails, and torch's reserved peak stays <= C. The least C that runs lies
+    between the peak allocated bytes A (reserved >= allocated) and R; it is found by bisection
+    to within ``resolution_bytes`` (or 0.1 % of R, when larger), and the peaks returned are the
+    replay's at that C.
+    """
+    unlimited = replay(events, expandable_segments=expandable_segments)
+    low, high = unlimited.peak_allocated_bytes - 1, unlimited.peak_reserved_bytes  # fails, runs
+    best = unlimited
+    step = max(resolution_bytes, unlimited.peak_reserved_bytes // 1000)
+    while high - low > step:
+        middle = (low + high) // 2
+        try:
+            best = replay(events, expandable_segments=expandable_segments, capacity_bytes=middle)
+        except AllocatorOutOfMemoryError:
+            low = middle
+            continue
+        high = middle
+    return best
 
 
 def expandable_segments_enabled() -> bool:

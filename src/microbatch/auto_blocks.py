@@ -24,6 +24,7 @@ from typing import Any
 from torch import nn
 
 from .errors import CheckpointError
+from .modules import is_inside
 
 __all__ = ["auto_blocks", "describe_blocks"]
 
@@ -42,10 +43,6 @@ def _is_container(module: nn.Module) -> bool:
     return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
 
 
-def _inside(name: str, outer: str) -> bool:
-    return outer == "" or name.startswith(outer + ".")
-
-
 def _units_by_class(model: nn.Module) -> dict[type, list[tuple[str, nn.Module]]]:
     """Candidate classes -> their outermost instances (none inside another of the same class)."""
     found: dict[type, list[tuple[str, nn.Module]]] = defaultdict(list)
@@ -55,7 +52,7 @@ def _units_by_class(model: nn.Module) -> dict[type, list[tuple[str, nn.Module]]]
         if _num_parameters(module) == 0:
             continue
         same = found[type(module)]
-        if any(_inside(name, outer) for outer, _ in same):
+        if any(is_inside(name, outer) for outer, _ in same):
             continue
         same.append((name, module))
     return {cls: units for cls, units in found.items() if len(units) >= 2}
@@ -76,7 +73,7 @@ def _holds_run_of(outer: nn.Module, cls: type) -> bool:
 
 
 def _gives_way(inner: list[tuple[str, nn.Module]], cls: type, outer: list[tuple[str, nn.Module]]) -> bool:
-    enclosed = sum(any(_inside(name, o) and name != o for o, _ in outer) for name, _ in inner)
+    enclosed = sum(any(is_inside(name, o) for o, _ in outer) for name, _ in inner)
     if 2 * enclosed <= len(inner):
         return False
     return not any(_holds_run_of(module, cls) for _, module in outer)

@@ -9,16 +9,20 @@ update decays the old running statistic by (1 - m); N updates with momentum m' d
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 
 from .errors import ConfigError
+from .modules import modules_of_type, replace_modules
 
-_BATCHNORM = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
+_BatchNorm = nn.modules.batchnorm._BatchNorm
+_BATCHNORM = (_BatchNorm, nn.SyncBatchNorm)
 
 
 def batchnorm_layers(model: nn.Module) -> list[tuple[str, nn.modules.batchnorm._BatchNorm]]:
     """(name, layer) of every BatchNorm layer in the model."""
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, _BATCHNORM)]
+    return [(name, cast(_BatchNorm, m)) for name, m in modules_of_type(model, _BATCHNORM)]
 
 
 def corrected_momentum(momentum: float, steps: int) -> float:
@@ -39,16 +43,17 @@ def convert_batchnorm_to_groupnorm(model: nn.Module, *, max_groups: int = 32) ->
     """
     if max_groups < 1:
         raise ConfigError(f"max_groups must be >= 1, got {max_groups}")
-    for name, child in list(model.named_children()):
-        if isinstance(child, _BATCHNORM):
-            channels = child.num_features
-            groups = max(g for g in range(1, min(max_groups, channels) + 1) if channels % g == 0)
-            norm = nn.GroupNorm(groups, channels, eps=child.eps, affine=child.affine)
-            if child.affine:
-                norm.weight.data.copy_(child.weight.data)
-                norm.bias.data.copy_(child.bias.data)
-            norm.to(device=child.weight.device if child.affine else None)
-            setattr(model, name, norm)
-        else:
-            convert_batchnorm_to_groupnorm(child, max_groups=max_groups)
+
+    def to_groupnorm(module: nn.Module) -> nn.Module:
+        batchnorm = cast(_BatchNorm, module)  # selected by _BATCHNORM
+        channels = batchnorm.num_features
+        groups = max(g for g in range(1, min(max_groups, channels) + 1) if channels % g == 0)
+        norm = nn.GroupNorm(groups, channels, eps=batchnorm.eps, affine=batchnorm.affine)
+        if batchnorm.affine:
+            norm.weight.data.copy_(batchnorm.weight.data)
+            norm.bias.data.copy_(batchnorm.bias.data)
+        norm.to(device=batchnorm.weight.device if batchnorm.affine else None)
+        return norm
+
+    replace_modules(model, lambda module: isinstance(module, _BATCHNORM), to_groupnorm)
     return model

@@ -26,6 +26,10 @@ Safety beyond torch.utils.checkpoint:
 - Each block is checkpointed at most once; nesting is an error, not a silent double recompute.
 - torch.compile: a block that dynamo traces runs a compile-safe form of its policy (compiled.py);
   a compiled model may be passed in (its blocks are named as in the eager model).
+
+Here: choosing the blocks (``find_blocks``; "auto" in auto_blocks.py), wrapping them and undoing it
+(``checkpoint``, ``CheckpointHandle``). Running a checkpointed block and its guards: recompute.py;
+the selective policy: selective.py; offloading: offload.py; compiled code: compiled.py.
 """
 
 from __future__ import annotations
@@ -33,20 +37,19 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
-import inspect
 import logging
-from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import checkpoint as torch_checkpoint
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import compiled
 from .auto_blocks import auto_blocks, describe_blocks
 from .errors import CheckpointError, ConfigError
+from .modules import ancestors, modules_of_type
+from .recompute import NORMS_WITH_RUNNING_STATS, RunningStatsGuard, cache_disabler, run_checkpointed
+from .selective import SelectivePlan
 
 logger = logging.getLogger(__name__)
 
@@ -57,36 +60,6 @@ BlockSpec = str | Sequence[str] | Callable[[str, nn.Module], bool]
 
 # Set on a wrapped module's __dict__; its value is the policy. Used to detect nesting.
 _MARKER = "_microbatch_checkpoint_policy"
-_NORM_WITH_RUNNING_STATS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
-# Argument names through which a block receives a cache it would write into.
-_CACHE_SWITCHES = ("use_cache",)
-_CACHE_OBJECTS = (
-    "past_key_values",
-    "past_key_value",
-    "layer_past",
-    "kv_cache",
-    "cache",
-)  # "cache": transformers 5
-# Matmul-like aten ops whose outputs the selective policy saves (everything else is recomputed).
-# These are all the ops FlopCounterMode counts, so selective recomputation adds no FLOPs.
-_MATMUL_OP_NAMES = (
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "convolution",
-    "_convolution",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_fused_attention_overrideable",
-    "_flash_attention_forward",
-    "_efficient_attention_forward",
-)
-_MATMUL_OPS = frozenset(
-    getattr(torch.ops.aten, name) for name in _MATMUL_OP_NAMES if hasattr(torch.ops.aten, name)
-)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -96,9 +69,7 @@ _MATMUL_OPS = frozenset(
 def _check_not_nested(names: Sequence[str]) -> None:
     chosen = set(names)
     for name in names:
-        parts = name.split(".")
-        for depth in range(1, len(parts)):
-            ancestor = ".".join(parts[:depth])
+        for ancestor in ancestors(name):
             if ancestor in chosen:
                 raise CheckpointError(
                     f"blocks: {name!r} lies inside {ancestor!r}; a module can be checkpointed once. "
@@ -154,75 +125,7 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = "auto") -> list[tuple[str,
 
 
 # --------------------------------------------------------------------------------------------------
-# Policies
-
-
-_OpKey = tuple[Any, int]  # (aten op, how many times the block ran it before) within one forward
-
-
-class _OpsReached(TorchDispatchMode):
-    """Records which ops a recompute reaches (torch stops it once every saved tensor is back)."""
-
-    def __init__(self, reached: set[_OpKey]) -> None:
-        super().__init__()
-        self.reached = reached
-        self.counts: dict[Any, int] = defaultdict(int)
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        self.reached.add((func, self.counts[func]))
-        self.counts[func] += 1
-        return func(*args, **(kwargs or {}))
-
-
-class _SelectivePlan:
-    """Which matmul-like outputs one block's selective checkpoint saves.
-
-    Every matmul output is saved, except those a recompute never needed: with early stopping, the
-    recompute ends at the block's last saved tensor, so a final matmul whose output nothing inside
-    the block saves (a projection feeding a residual add) is never rerun, and caching its output
-    would only cost memory. Each recompute teaches the plan which saved outputs it did not reach;
-    a skipped op that a later recompute does reach is saved again. Correct either way: an op not
-    saved is recomputed.
-    """
-
-    # Recording costs a Python dispatch per recomputed op; stop once the plan has held this long.
-    STABLE_AFTER = 2
-
-    def __init__(self) -> None:
-        self.skip: frozenset[_OpKey] = frozenset()
-        self.unchanged = 0  # recomputes in a row that left the plan as it was
-
-    def contexts(self, saved: set[_OpKey], reached: set[_OpKey]) -> tuple[Any, Any]:
-        counts: dict[Any, int] = defaultdict(int)
-        skip = self.skip
-
-        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> torch_checkpoint.CheckpointPolicy:
-            key = (op, counts[op])
-            counts[op] += 1
-            if getattr(op, "overloadpacket", None) in _MATMUL_OPS and key not in skip:
-                saved.add(key)
-                return torch_checkpoint.CheckpointPolicy.MUST_SAVE
-            return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
-
-        caching, cached = torch_checkpoint.create_selective_checkpoint_contexts(policy)
-        if self.unchanged >= self.STABLE_AFTER:
-            return caching, cached
-
-        @contextlib.contextmanager
-        def recompute() -> Iterator[None]:
-            with cached, _OpsReached(reached):  # the recorder sees each op before the cache answers it
-                yield
-
-        return caching, recompute()
-
-    def learn(self, saved: set[_OpKey], reached: set[_OpKey]) -> None:
-        if not reached:  # not recorded (plan stable), or a recompute that ran nothing
-            return
-        skip = frozenset((self.skip | saved) - reached)
-        self.unchanged = self.unchanged + 1 if skip == self.skip else 0
-        self.skip = skip
+# Offload
 
 
 def _offload_saved_inputs(*, copy_host_tensors: bool = False) -> torch.autograd.graph.saved_tensors_hooks:
@@ -236,51 +139,6 @@ def _offload_saved_inputs(*, copy_host_tensors: bool = False) -> torch.autograd.
     from .offload import saved_on_host
 
     return saved_on_host(copy_host_tensors=copy_host_tensors)
-
-
-class _RunningStatsGuard:
-    """Lets a recompute update scratch copies of the running statistics instead of the real ones.
-
-    In training mode a BatchNorm's output uses the batch's own statistics, so the recompute's output
-    does not depend on the running buffers; only their second in-place update must not land. The
-    recompute runs inside torch's checkpoint (and selective-checkpoint dispatch modes), where extra
-    tensor ops are not allowed, so the scratch buffers are made beforehand (``prepare``, outside the
-    checkpoint) and the recompute only swaps module attributes. Cost: one copy of the norms' buffers.
-    """
-
-    def __init__(self, norms: Sequence[nn.Module]) -> None:
-        self.norms = list(norms)
-        self.scratch: dict[tuple[int, str], torch.Tensor] = {}
-
-    def _updating(self) -> list[nn.Module]:
-        return [m for m in self.norms if m.training and getattr(m, "track_running_stats", False)]
-
-    def prepare(self) -> None:
-        for module in self._updating():
-            for name, buffer in module.named_buffers(recurse=False):
-                key = (id(module), name)
-                known = self.scratch.get(key)
-                if known is None or (known.shape, known.dtype, known.device) != (
-                    buffer.shape,
-                    buffer.dtype,
-                    buffer.device,
-                ):
-                    self.scratch[key] = buffer.detach().clone()
-
-    @contextlib.contextmanager
-    def swapped(self) -> Iterator[None]:
-        originals: list[tuple[nn.Module, str, torch.Tensor]] = []
-        try:
-            for module in self._updating():
-                for name, buffer in list(module.named_buffers(recurse=False)):
-                    scratch = self.scratch.get((id(module), name))
-                    if scratch is not None:
-                        originals.append((module, name, buffer))
-                        setattr(module, name, scratch)
-            yield
-        finally:
-            for module, name, buffer in originals:
-                setattr(module, name, buffer)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -335,10 +193,14 @@ class CheckpointHandle:
     def _wrap(self, name: str, module: nn.Module, policy: str) -> None:
         had_instance_forward = "forward" in module.__dict__
         original = module.forward
-        norms = [m for m in module.modules() if isinstance(m, _NORM_WITH_RUNNING_STATS)]
-        guard = _RunningStatsGuard(norms) if norms else None
-        plan = _SelectivePlan() if policy == "selective" else None
-        cache_off = _cache_disabler(original, lambda: self._notice_cache_off(name))
+        norms = [norm for _, norm in modules_of_type(module, NORMS_WITH_RUNNING_STATS)]
+        guard = RunningStatsGuard(norms) if norms else None
+        plan = SelectivePlan() if policy == "selective" else None
+        cache_off = cache_disabler(original, lambda: self._notice_cache_off(name))
+        # looked up per call (tests replace _offload_saved_inputs to force host copies on CPU)
+        saving: Callable[[], Any] = (
+            (lambda: _offload_saved_inputs()) if policy == "offload" else contextlib.nullcontext
+        )
 
         @functools.wraps(original)
         def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
@@ -348,90 +210,11 @@ class CheckpointHandle:
             if compiled.is_compiling():  # traced by dynamo: no Python runs in the compiled backward
                 self.compiled_calls = True
                 return compiled.run_compiled(original, policy, args, kwargs)
-            return _run_checkpointed(original, policy, guard, plan, args, kwargs)
+            return run_checkpointed(original, saving, guard, plan, args, kwargs)
 
         self._originals.append((module, had_instance_forward, module.__dict__.get("forward")))
         module.__dict__["forward"] = checkpointed_forward
         module.__dict__[_MARKER] = policy
-
-
-def _cache_disabler(
-    forward: Callable[..., Any], notice: Callable[[], None]
-) -> Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]:
-    """A function that turns the cache arguments of ``forward`` off: use_cache=False, caches None."""
-    positions: dict[str, int] = {}
-    with contextlib.suppress(TypeError, ValueError):
-        for index, parameter in enumerate(inspect.signature(forward).parameters.values()):
-            if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
-                positions[parameter.name] = index
-
-    def is_on(value: Any) -> bool:  # identity tests: a cache may be a tensor, whose == is elementwise
-        return value is not None and value is not False
-
-    def disable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        changed = False
-        new_args, new_kwargs = list(args), dict(kwargs)
-        for name in (*_CACHE_SWITCHES, *_CACHE_OBJECTS):
-            off = False if name in _CACHE_SWITCHES else None
-            if name in new_kwargs:
-                if is_on(new_kwargs[name]):
-                    new_kwargs[name], changed = off, True
-            elif positions.get(name, len(new_args)) < len(new_args) and is_on(new_args[positions[name]]):
-                new_args[positions[name]], changed = off, True
-        if not changed:
-            return args, kwargs
-        notice()
-        return tuple(new_args), new_kwargs
-
-    return disable
-
-
-def _run_checkpointed(
-    forward: Callable[..., Any],
-    policy: str,
-    guard: _RunningStatsGuard | None,
-    plan: _SelectivePlan | None,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
-    # Keyword arguments travel positionally so that torch saves their tensors with the other
-    # inputs (through the offload hooks, when offloading) and no name can clash with checkpoint's.
-    num_args, keyword_names = len(args), list(kwargs)
-    calls = 0
-
-    def run(*inputs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        call_args, call_kwargs = inputs[:num_args], dict(zip(keyword_names, inputs[num_args:], strict=True))
-        if calls == 1:
-            return forward(*call_args, **call_kwargs)
-        # a recompute, inside backward; it may end early by an exception (torch's early stop)
-        try:
-            with guard.swapped() if guard is not None else contextlib.nullcontext():
-                return forward(*call_args, **call_kwargs)
-        finally:
-            if plan is not None:
-                plan.learn(saved, reached)
-
-    if guard is not None:
-        guard.prepare()
-
-    saved: set[_OpKey] = set()
-    reached: set[_OpKey] = set()
-    # context_fn only when selective: an explicit noop_context_fn is not traceable by dynamo
-    options: dict[str, Any] = {}
-    if plan is not None:
-        options["context_fn"] = functools.partial(plan.contexts, saved, reached)
-    saving = _offload_saved_inputs() if policy == "offload" else contextlib.nullcontext()
-    with saving:
-        return torch_checkpoint.checkpoint(
-            run,
-            *args,
-            *kwargs.values(),
-            use_reentrant=False,
-            preserve_rng_state=True,
-            **options,
-        )
 
 
 def _resolve_policies(model: nn.Module, blocks: BlockSpec, policy: str | Mapping[str, str]) -> dict[str, str]:
@@ -457,6 +240,24 @@ def _resolve_policies(model: nn.Module, blocks: BlockSpec, policy: str | Mapping
         )
     found = find_blocks(model, list(policy))
     return {name: policy[name] for name, _ in found if policy[name] != "none"}
+
+
+def _check_not_checkpointed(modules: Mapping[str, nn.Module], name: str) -> None:
+    """Neither block ``name``, nor a module around it, nor one inside it is checkpointed already."""
+    for other_name in ancestors(name):
+        if _MARKER in modules[other_name].__dict__:
+            where = f"{other_name!r}" if other_name else "the model itself"
+            raise CheckpointError(
+                f"blocks: {name!r} lies inside {where}, which is already checkpointed; "
+                "remove() the earlier handle first"
+            )
+    for inner_name, inner in modules[name].named_modules():
+        if _MARKER in inner.__dict__:
+            full_name = f"{name}.{inner_name}" if inner_name else name
+            raise CheckpointError(
+                f"blocks: {full_name!r} is already checkpointed; a module can be checkpointed once. "
+                "remove() the earlier handle first"
+            )
 
 
 def _turn_off_hf_checkpointing(model: nn.Module) -> None:
@@ -494,23 +295,7 @@ def checkpoint(
     policies = _resolve_policies(model, blocks, policy)
     modules = dict(model.named_modules())
     for name in policies:
-        module = modules[name]
-        parts = name.split(".")
-        ancestors = [".".join(parts[:depth]) for depth in range(len(parts))]
-        for other_name in ancestors:
-            if _MARKER in modules[other_name].__dict__:
-                where = f"{other_name!r}" if other_name else "the model itself"
-                raise CheckpointError(
-                    f"blocks: {name!r} lies inside {where}, which is already checkpointed; "
-                    "remove() the earlier handle first"
-                )
-        for inner_name, inner in module.named_modules():
-            if _MARKER in inner.__dict__:
-                full_name = f"{name}.{inner_name}" if inner_name else name
-                raise CheckpointError(
-                    f"blocks: {full_name!r} is already checkpointed; a module can be checkpointed once. "
-                    "remove() the earlier handle first"
-                )
+        _check_not_checkpointed(modules, name)
     _turn_off_hf_checkpointing(model)
     handle = CheckpointHandle(model, policies)
     if "offload" in policies.values() and not torch.cuda.is_available():

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
+from .selective import MATMUL_OPS
 from .workload import Workload
 
 __all__ = [
@@ -86,9 +87,7 @@ def compiled_notice(policies: dict[str, str]) -> str:
 
 
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> torch_checkpoint.CheckpointPolicy:
-    from .checkpoint import _MATMUL_OPS  # the same op list as eager selective checkpointing
-
-    if getattr(op, "overloadpacket", None) in _MATMUL_OPS:
+    if getattr(op, "overloadpacket", None) in MATMUL_OPS:  # the op list of eager selective checkpointing
         return torch_checkpoint.CheckpointPolicy.MUST_SAVE
     return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -9,7 +9,10 @@ them gives a lower bound on time; ``DeviceSpec.measure()`` fills a spec from a s
 copy benchmark on a device that is present, which brings the figures down to what is reachable.
 
 Memory is the nominal capacity in GiB (HBM and GDDR come in binary sizes); the driver and the
-CUDA context take some of it, which the planner counts as ``context_bytes`` on CUDA targets.
+CUDA context take some of it, which the planner counts as ``context_bytes`` on CUDA targets: the
+allowance for what the caching allocator does not see (a round 512 MiB for presets, measured by
+``DeviceSpec.measure()``). What the allocator does hold is predicted by replaying the simulated
+allocations through ``microbatch.allocator`` (see profile/reserved.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .allocator import outside_allocator_bytes
 from .errors import ConfigError
 from .memory import device_memory_bytes, format_bytes
 
@@ -156,7 +160,8 @@ class DeviceSpec:
             # The copy reads and writes every byte once.
             memory_bytes_per_second=2 * source.numel() * source.element_size() / copy_seconds,
             launch_seconds=launch,
-            context_bytes=CUDA_CONTEXT_BYTES if device.type == "cuda" else 0,
+            # On a present GPU the allowance outside the caching allocator is measured, not assumed.
+            context_bytes=outside_allocator_bytes(device) if device.type == "cuda" else 0,
             source=f"measured: {size}^3 matmuls, {format_bytes(source.numel() * 4)} copy",
         )
 

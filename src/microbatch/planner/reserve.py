@@ -7,8 +7,9 @@ On CUDA a budget is the caching allocator's peak *reserved* bytes (its segments,
 rounding and fragmentation: see microbatch.allocator) plus what the allocator does not see: the
 CUDA context, the cuBLAS/cuDNN handles and anything else already on the device (NCCL's buffers
 once a collective ran, other processes), measured once when planning starts as
-(total - free) - reserved. The trial measures reserved bytes; the search and the trial work with
-the budget less this reserve.
+(total - free) - reserved. The trial measures reserved bytes; the search predicts them (the
+profiled runs' allocations replayed through the allocator model: profile/reserved.py); both work
+with the budget less this reserve.
 """
 
 from __future__ import annotations

@@ -174,6 +174,7 @@ class Model:
             + profile.optimizer_bytes
             + math.ceil(profile.base_bytes(max(sizes)))
             + profile.slack_bytes
+            + profile.reserved_overhead(max(sizes))
             + self.correction_bytes
         )
 
@@ -185,6 +186,7 @@ class Model:
             + math.ceil(profile.base_bytes(max(sizes)))
             + profile.step_peak_bytes
             + profile.slack_bytes
+            + profile.reserved_overhead(max(sizes))  # the micro-batches' cached segments (CUDA)
             + self.correction_bytes
         )
 
@@ -211,6 +213,7 @@ class Model:
             # The chain's peak holds the gradients that are live then; the rest of it is activations.
             # (fixed holds the slack and the correction too: they are parts of their own below)
             outside = sum(parts.values()) + profile.slack_bytes + self.correction_bytes
+            outside += profile.reserved_overhead(max(sizes))
             parts["activations"] = fixed + chain_bytes - margin - outside
             if margin:
                 parts[f"safety margin ({self.safety_margin:.0%})"] = margin
@@ -218,6 +221,8 @@ class Model:
             parts["optimizer step temporaries"] = profile.step_peak_bytes
         if profile.slack_bytes:
             parts["slack"] = profile.slack_bytes
+        if profile.reserved_overhead(max(sizes)):
+            parts["caching allocator (reserved - live)"] = profile.reserved_overhead(max(sizes))
         if self.correction_bytes:
             parts["correction from trials"] = self.correction_bytes
         policies = tuple(

@@ -135,9 +135,8 @@ def finish(
     notes = list(plan.notes)
     if spec is not None:
         notes.append(
-            f"simulated for {spec.name} under fake tensors (no kernel ran, no trial): peak from "
-            "MemoryTracker's counting with the caching allocator's rounding, time from a roofline "
-            f"({spec.source})"
+            f"simulated for {spec.name} under fake tensors (no kernel ran, no trial): peak in "
+            f"{profile.peak_kind} from MemoryTracker's counting, time from a roofline ({spec.source})"
         )
     breakdown = ranks.rank_breakdown(plan.peak_parts, extras, context if spec is not None else 0)
     logger.info("plan peak per rank %s", format_bytes(plan.predicted_peak_bytes))

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..workload import Workload
+from . import reserved
 from .costs import BYTES_FLOOR, NONE, SECONDS_FLOOR, Fit, PolicyCost, Profile, SegmentProfile, chain_peak
 from .timeline import Run, SegmentRun, gap_names, unique_bytes
 
@@ -171,6 +172,17 @@ def assemble(
     static_bytes = parameter_bytes + gradient_total + optimizer_bytes
     none_runs = [measured.memory_runs[NONE, size] for size in sizes]
     base = Fit.of(sizes, [max(0, run.start_bytes - static_bytes) for run in none_runs], interpolate=True)
+    overhead = reserved.overhead_fit(
+        sizes,
+        [
+            (size, run)
+            for runs in (measured.memory_runs, measured.first_runs)
+            for (_, size), run in runs.items()
+        ],
+    )
+    kind = reserved.peak_kind(cuda=overhead is not None)
+    if overhead is not None:
+        notes.append(reserved.note(kind, overhead))
     for note in notes:
         logger.debug("profile of %s: %s", workload.name, note)  # also in the plan's notes
     return Profile(
@@ -190,6 +202,8 @@ def assemble(
         profile_seconds=seconds,
         notes=tuple(notes),
         time_noise=_time_noise(measured.timed_runs),
+        reserved_overhead_bytes=overhead,
+        peak_kind=kind,
         clock=clock,
     )
 

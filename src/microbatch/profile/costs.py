@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -234,8 +235,22 @@ class Profile:
     # (max - min) / median over the timed runs): the planner treats predicted times closer than
     # this as ties.
     time_noise: float = 0.0
+    # On CUDA (real or simulated): reserved minus live bytes of the profiled runs at each size
+    # (profile/reserved.py), which turns the live-byte prediction into reserved bytes; None off CUDA.
+    reserved_overhead_bytes: Fit | None = None
+    peak_kind: str = "live tensor bytes"  # or "reserved (allocator model)" / "(expandable segments)"
     # What the times were read from: "wall" or "cpu", the profiling thread's CPU time (clocks.py).
     clock: str = "wall"
+
+    def reserved_overhead(self, micro_batch_size: float) -> int:
+        """Bytes the caching allocator reserves beyond the live tensors at ``micro_batch_size`` (0 off
+        CUDA): through the profiled sizes piecewise linearly, beyond them along the nearest piece but
+        never below the least measured value (segments of tensors that grow with b waste more or as
+        much; a few small tensors waste a constant share of a 2 MiB segment)."""
+        fit = self.reserved_overhead_bytes
+        if fit is None:
+            return 0
+        return math.ceil(max(fit(micro_batch_size), min(fit.values, default=0.0)))
 
     @property
     def static_bytes(self) -> int:
@@ -278,6 +293,10 @@ class Profile:
             "clock": self.clock,
             "notes": list(self.notes),
             "segments": [segment.to_dict() for segment in self.segments],
+            "reserved_overhead_bytes": (
+                self.reserved_overhead_bytes.to_dict() if self.reserved_overhead_bytes is not None else None
+            ),
+            "peak_kind": self.peak_kind,
         }
 
     def __str__(self) -> str:

@@ -21,7 +21,7 @@ from ..errors import WorkloadError
 from ..memory import MemoryTracker
 from ..oom import attempt
 from ..workload import Workload
-from . import stash
+from . import reserved, stash
 from .timeline import BEFORE, END, END_FORWARD, Recorder, Run, split
 
 # Timed repeats of the optimizer step (the median is used).
@@ -61,7 +61,10 @@ def micro_batch_run(
     model = workload.model
     batch = workload.make_batch(size)
     accumulator = Accumulator(model, optimizer, steps=2)
-    tracker = MemoryTracker(device, model=model, optimizer=optimizer) if track else None
+    cuda = device.type == "cuda"  # record the allocations to replay them (profile/reserved.py)
+    tracker = (
+        MemoryTracker(device, model=model, optimizer=optimizer, record_allocations=cuda) if track else None
+    )
     recorder = Recorder(blocks, tracker=tracker, device=device, clock=clock)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -85,7 +88,7 @@ def micro_batch_run(
             f"profiling: block(s) {', '.join(missing[:3])} did not run in the forward of workload "
             f"{workload.name!r}; pass blocks= naming modules the forward calls"
         )
-    return split(recorder, order, started)
+    return reserved.with_reserved_peak(split(recorder, order, started), tracker)
 
 
 def _one_window(workload: Workload, accumulator: Accumulator, size: int, device: torch.device) -> None:
@@ -125,11 +128,12 @@ def measure_step(
 
     if attempt(first_steps, device) is None:
         return None
-    with MemoryTracker(device, model=model, optimizer=optimizer) as tracker:
+    cuda = device.type == "cuda"
+    with MemoryTracker(device, model=model, optimizer=optimizer, record_allocations=cuda) as tracker:
         start_bytes = tracker.current_bytes
         static = dict(tracker.breakdown)  # at entry: what the model and the optimizer hold
         accumulator.step()
-    step_peak_bytes = max(0, tracker.peak_bytes - start_bytes)
+    step_peak_bytes = reserved.step_peak_bytes(tracker, start_bytes)
     timings = []
     for _ in range(STEP_REPEATS):
         _one_window(workload, accumulator, size, device)

@@ -13,11 +13,13 @@ tensor's element count, of a boolean as True, of a float as 1.0; memory and time
 them. Batches are made for real by the workload (its ``make_batch``, with fake mode off) and
 converted; nothing else allocates real memory.
 
-For a CUDA target each storage counts as the caching allocator holds it: requests rounded up to
-512 bytes (``kMinBlockSize``), and requests above 10 MiB, which get their own segment
-(``kLargeBuffer``), rounded up to 2 MiB (``kRoundLarge``). Fragmentation between segments is not
-modelled (``expandable_segments`` removes most of it). The CUDA context and the library
-workspaces, which the allocator does not see, are the spec's ``context_bytes``, added as slack.
+For a CUDA target the tracker counts each storage in 512-byte blocks (``kMinBlockSize``), as
+``memory_allocated`` does, and records the allocation sequence; as on a real GPU, each run's
+sequence is replayed through ``microbatch.allocator`` (block rounding, small and large pools,
+segment sizes, splitting and fragmentation; ``expandable_segments`` when PYTORCH_CUDA_ALLOC_CONF
+sets it), and the profile carries reserved minus live bytes (profile/reserved.py), so a plan's
+predicted peak is reserved bytes. The CUDA context and the library workspaces, which the allocator
+does not see, are the spec's ``context_bytes``, added as slack.
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_map
 
 from ..accumulate import Accumulator
+from ..allocator import round_size
 from ..checkpoint import BlockSpec, checkpoint
 from ..devices import DeviceSpec
 from ..memory import MemoryTracker
 from ..workload import Workload
+from . import reserved
 from .assemble import Measurements, assemble, gradient_bytes_by_segment
 from .costs import NONE, Profile
 from .measure import ProgressFn, _blocks_and_policies, default_micro_batch_sizes
@@ -48,18 +52,6 @@ from .roofline import RooflineClock
 from .timeline import BEFORE, END, END_FORWARD, Recorder, Run, _Event, split
 
 logger = logging.getLogger(__name__)
-
-SMALL_REQUEST_BYTES = 512
-LARGE_REQUEST_BYTES = 10 * 1024**2
-LARGE_ROUND_BYTES = 2 * 1024**2
-
-
-def cuda_block_bytes(nbytes: int) -> int:
-    """Bytes the CUDA caching allocator holds for a request of ``nbytes`` (see the module docstring)."""
-    rounded = -(-nbytes // SMALL_REQUEST_BYTES) * SMALL_REQUEST_BYTES
-    if rounded > LARGE_REQUEST_BYTES:
-        rounded = -(-rounded // LARGE_ROUND_BYTES) * LARGE_ROUND_BYTES
-    return rounded
 
 
 def _count(items: Any) -> Any:
@@ -122,15 +114,16 @@ def _cuda_kernels() -> Iterator[None]:
 
 
 class SimulatedTracker(MemoryTracker):
-    """MemoryTracker over fake storages; with ``cuda``, counted as the caching allocator holds them."""
+    """MemoryTracker over fake storages; with ``cuda``, counted in the allocator's 512-byte blocks
+    (as MemoryTracker counts real CUDA storages) and with the allocations recorded for replay."""
 
     def __init__(self, *, cuda: bool, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        super().__init__("cpu", model=model, optimizer=optimizer)
+        super().__init__("cpu", model=model, optimizer=optimizer, record_allocations=cuda)
         self.cuda = cuda
 
     def _storage_bytes(self, storage: torch.UntypedStorage) -> int:
         nbytes = int(storage.nbytes())
-        return cuda_block_bytes(nbytes) if self.cuda else nbytes
+        return round_size(nbytes) if self.cuda and nbytes else nbytes
 
 
 class _ClockRecorder(Recorder):
@@ -237,7 +230,7 @@ def static_costs(
         seconds = clock.seconds - began
     for parameter in model.parameters():
         parameter.grad = None
-    return static, max(0, tracker.peak_bytes - start_bytes), seconds
+    return static, reserved.step_peak_bytes(tracker, start_bytes), seconds
 
 
 @dataclasses.dataclass
@@ -270,7 +263,7 @@ class _Runner:
                 del loss, batch
         finally:
             recorder.close()
-        return split(recorder, recorder.order, started)
+        return reserved.with_reserved_peak(split(recorder, recorder.order, started), tracker)
 
     def runs(
         self, policies: Sequence[str], sizes: Sequence[int], progress: ProgressFn | None

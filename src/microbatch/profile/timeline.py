@@ -186,6 +186,8 @@ class Run:
     in_order: bool  # backward events came in reverse forward order
     order: tuple[str, ...]  # blocks in the order their forwards ran
     boundary_bytes: dict[str, int]  # each block's input
+    # The peak in CUDA reserved bytes: the run's recorded allocations replayed (profile/reserved.py).
+    reserved_peak_bytes: int | None = None
 
 
 def split(recorder: Recorder, order: Sequence[str], seconds_from: float) -> Run:
