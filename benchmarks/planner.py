@@ -429,8 +429,8 @@ def markdown(report: dict[str, Any], command: str, load: str) -> str:
         f"the profile alone {report['profile_seconds']:.1f} s.",
         "",
         "Frontier at the mid budget (predicted peaks and times), with the plan and the baselines as "
-        "measured at that budget (the profile's a + k * b time fit, taken at micro-batches 1, 8 and 16; "
-        "beyond 16 it extrapolates): ![frontier](frontier.png)",
+        "measured at that budget (the profile's times run through its micro-batches 1, 8 and 16 and beyond "
+        "them along the least-squares slope): ![frontier](frontier.png)",
         "",
         f"Measured on: {results.environment_line()}; torch threads {torch.get_num_threads()}; "
         f"load average {load} (the machine is shared).",
