@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from microbatch import memory as memory_module
 from microbatch.errors import ConfigError, UsageError
 from microbatch.memory import CATEGORIES, MemoryTracker, device_memory_bytes, format_bytes, parse_bytes
 
@@ -40,11 +41,28 @@ def test_parse_bytes_units(text: Any, expected: int) -> None:
     assert parse_bytes(text) == expected
 
 
-def test_parse_bytes_fraction_of_device_memory() -> None:
-    total = device_memory_bytes("cpu")
-    assert parse_bytes(0.5, device="cpu") == int(0.5 * total)
-    assert parse_bytes("0.25", device="cpu") == int(0.25 * total)
-    assert parse_bytes(1.0, device="cpu") == total
+def test_parse_bytes_fraction_of_free_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    free = 10_000_000
+    monkeypatch.setattr(memory_module, "device_free_bytes", lambda device=None: free)
+    assert parse_bytes(0.5, device="cpu") == free // 2
+    assert parse_bytes("0.25", device="cpu") == free // 4
+    assert parse_bytes(1.0, device="cpu") == free
+    assert parse_bytes("1.0", device="cpu") == free  # a float in (0, 1]: a fraction
+    assert parse_bytes("5e-1", device="cpu") == free // 2
+    assert parse_bytes("80%", device="cpu") == free * 8 // 10
+    assert parse_bytes("100%", device="cpu") == free
+    assert parse_bytes(1) == 1 and parse_bytes("1") == 1  # integers are bytes
+    assert parse_bytes(2.0) == 2 and parse_bytes("0.5KiB") == 512  # a unit makes it bytes
+
+
+def test_device_free_bytes_is_at_most_the_total() -> None:
+    assert 0 < memory_module.device_free_bytes("cpu") <= device_memory_bytes("cpu")
+
+
+@pytest.mark.parametrize("bad", ["1.5", 1.5, "1.5B", "150%", "0%", "-5%", "x%", "inf", "1e400"])
+def test_parse_bytes_refuses_fractional_bytes_and_bad_percentages(bad: Any) -> None:
+    with pytest.raises(ConfigError, match="memory"):
+        parse_bytes(bad, name="memory")
 
 
 @pytest.mark.parametrize("bad", ["abc", "8 parsecs", "-1GiB", 0, -5, True, float("nan"), 0.0, "0", None])

@@ -135,10 +135,11 @@ def test_budget_below_the_weights_fails_before_profiling(monkeypatch: pytest.Mon
         raise AssertionError("profiled although the weights alone exceed the budget")
 
     monkeypatch.setattr("microbatch.planner.trial.profile_workload", no_profiling)
-    with pytest.raises(InfeasibleBudgetError, match="before any optimizer state") as caught:
-        plan(workload, batch=8, memory=2 * weights - 1)
-    assert caught.value.minimum_bytes == 2 * weights
-    assert caught.value.parts == {"parameters": weights, "gradients": weights}
+    # AdamW keeps two moments per parameter: counted from a dry step on the meta device.
+    with pytest.raises(InfeasibleBudgetError, match="before any activation") as caught:
+        plan(workload, batch=8, memory=4 * weights - 1)
+    assert caught.value.minimum_bytes == 4 * weights and caught.value.minimum_is_lower_bound
+    assert caught.value.parts == {"parameters": weights, "gradients": weights, "AdamW state": 2 * weights}
 
 
 def test_budget_below_the_minimum_plan(gpt: tuple[Workload, Profile]) -> None:

@@ -15,7 +15,15 @@ from .batchnorm import convert_batchnorm_to_groupnorm, corrected_momentum
 from .cached import cached_backward
 from .checkpoint import CheckpointHandle, checkpoint, find_blocks
 from .devices import DeviceSpec, devices
-from .errors import MicrobatchError
+from .errors import (
+    CheckpointError,
+    ConfigError,
+    InfeasibleBudgetError,
+    MicrobatchError,
+    ResumeError,
+    UsageError,
+    WorkloadError,
+)
 from .memory import MemoryTracker, format_bytes, parse_bytes
 from .planner import FrontierPoint, Plan, plan
 from .planner.cached import CachedPlan, plan_cached
@@ -27,19 +35,25 @@ from .workload import Workload, load_workload
 __all__ = [
     "Accumulator",
     "CachedPlan",
+    "CheckpointError",
     "CheckpointHandle",
+    "ConfigError",
     "DeviceSpec",
     "FrontierPoint",
+    "InfeasibleBudgetError",
     "MemoryTracker",
     "Micro",
     "MicrobatchError",
     "Plan",
     "Profile",
+    "ResumeError",
     "TokenStats",
     "TokenWindows",
+    "UsageError",
     "VerifyReport",
     "WindowStats",
     "Workload",
+    "WorkloadError",
     "__version__",
     "cached_backward",
     "checkpoint",

@@ -23,7 +23,10 @@ others finish, so every collective is matched and the gradient stays exact.
 Order inside step(), which is what the full-batch step would do:
 GradScaler unscale (once) -> normalise -> clip (once, on the accumulated gradient) ->
 optimizer step (skipped on a non-finite gradient) -> scheduler step (only when the optimizer
-stepped) -> zero_grad(set_to_none=True).
+stepped) -> zero_grad(set_to_none=True). Normalising and clipping act on the optimizer's parameters
+(the ones GradScaler unscales), as one multiply made just before the optimizer step; if the step
+raises, it is undone (and the scaler's unscale forgotten), so the window can be retried exactly or
+dropped with discard_window().
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from . import distributed
 from .batching import batch_size_of
 from .batchnorm import batchnorm_layers, corrected_momentum
 from .errors import ConfigError, UsageError
+from .feed import Feed
 from .precision import WideGradients
 
 logger = logging.getLogger(__name__)
@@ -77,14 +81,15 @@ class WindowStats:
 
     loss: the item-weighted mean loss of the window (the full batch's loss), over all ranks.
     items: the window's item count over all ranks. grad_norm: the total gradient norm before
-    clipping. lr: the learning rate the step used (first parameter group). skipped: True when a
+    clipping. lr: the learning rate the step used (first parameter group; None when the optimizer
+    has no 'lr', as transformers' Adafactor with lr=None). skipped: True when a
     non-finite gradient made the step be skipped (parameters, scheduler untouched).
     """
 
     loss: float
     items: int
     grad_norm: float
-    lr: float
+    lr: float | None
     skipped: bool
     window: int
     micro_batches: int
@@ -94,9 +99,10 @@ class WindowStats:
 
     def __str__(self) -> str:
         flag = " (skipped: non-finite gradient)" if self.skipped else ""
+        lr = "none" if self.lr is None else f"{self.lr:.4g}"
         return (
             f"window {self.window}: loss {self.loss:.6g} over {self.items} items in {self.micro_batches} "
-            f"micro-batches, grad norm {self.grad_norm:.4g}, lr {self.lr:.4g}{flag}"
+            f"micro-batches, grad norm {self.grad_norm:.4g}, lr {lr}{flag}"
         )
 
 
@@ -137,12 +143,15 @@ def _validate_items(items: object) -> float | torch.Tensor:
     return value
 
 
-def _next_or_none(iterator: Iterator[Any]) -> tuple[Any, bool]:
-    """The iterator's next item and True, or (None, False) once it is exhausted."""
+def _learning_rate(optimizer: torch.optim.Optimizer) -> float | None:
+    """The first parameter group's 'lr' as a float; None when there is none (it is optional)."""
+    lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+    if lr is None:
+        return None
     try:
-        return next(iterator), True
-    except StopIteration:
-        return None, False
+        return float(lr)
+    except (TypeError, ValueError):
+        return None
 
 
 class Accumulator:
@@ -229,8 +238,18 @@ class Accumulator:
                 "their gradients are not produced by this model (check that model and optimizer match)",
                 len(foreign),
             )
-        # Every parameter whose gradient this accumulator normalises and clears.
+        # Every parameter whose gradient this accumulator clears at step(); it normalises and clips
+        # exactly the optimizer's parameters: those are the ones GradScaler unscales.
         self._params: list[nn.Parameter] = model_params + foreign
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        unstepped = [p for p in model_params if p.requires_grad and id(p) not in stepped]
+        if unstepped:
+            logger.warning(
+                "%d model parameter(s) require grad but are not in the optimizer: their gradients are "
+                "computed and discarded at each step(), and left out of normalising and clipping "
+                "(freeze them with requires_grad_(False), or add them to the optimizer)",
+                len(unstepped),
+            )
         if accumulate_dtype is not None and self._data_parallel is not None:
             raise ConfigError(
                 "accumulate_dtype with DDP / FSDP is not supported: their gradient hooks read .grad, which "
@@ -243,6 +262,7 @@ class Accumulator:
         self._batchnorm_momentum = {name: layer.momentum for name, layer in self._batchnorm}
         self._correct_batchnorm = correct_batchnorm_momentum
         self._warned_batchnorm = False
+        self._set_batchnorm_momentum(0)  # for a manual backward()/step() loop too, not only iterate()
 
         self.window = 0  # index of the window in progress (= optimizer steps taken or skipped)
         self._items_per_micro: float | None = None  # running estimate, for the reference count R
@@ -261,27 +281,36 @@ class Accumulator:
 
     # ----------------------------------------------------------------- iteration
     def iterate(self, loader: Iterable[Any]) -> Iterator[Micro]:
-        """Yield micro-batches with window positions, looking one ahead to know each window's last.
+        """Yield micro-batches with window positions; ``micro.is_last`` marks each window's last.
+
+        Each micro-batch is yielded before the next one is fetched when the loader has a len() (a
+        list, a map-style DataLoader): is_last then comes from the count left. A loader without one
+        (a generator, an IterableDataset) is read one micro-batch ahead, to know whether the data
+        ends, except at a window's planned last micro-batch (where the window ends anyway) in a
+        single-process run; in data-parallel runs the window's last looks ahead too. A loader that
+        refills one buffer in place, or whose state is saved beside ``state_dict()``, needs a len().
 
         The body of the user's loop (forward and backward) runs inside this generator's DDP sync
         context: no DDP all-reduce except on a window's last micro-batch (FSDP2's flag is set in
         backward()). Data-parallel ranks agree on each window's length; see the module docstring.
+        If the loader raises, the window in progress stays open: ``discard_window()`` drops it.
         """
         self._require_window_boundary("iterate()")
         world = distributed.world_size()
         agree = self._data_parallel is not None and world > 1
-        iterator = iter(loader)
-        upcoming, has_upcoming = _next_or_none(iterator)
+        feed = Feed(loader)
+        has_data = feed.has_more()
         if agree:
-            (ranks_with_data,) = distributed.all_reduce_values([float(has_upcoming)])
+            (ranks_with_data,) = distributed.all_reduce_values([float(has_data)])
             if ranks_with_data < world:  # raised on every rank, so none waits for the others
                 raise ConfigError(
                     f"the loader given to iterate() is empty on {world - round(ranks_with_data)} of "
                     f"{world} rank(s): every rank needs at least one micro-batch"
                 )
-        elif not has_upcoming:
+        elif not has_data:
             raise ConfigError("the loader given to iterate() is empty: it produced no micro-batches")
-        last_batch = upcoming
+        last_batch: Any = None
+        exhausted = False  # this rank's data ran out (data-parallel: it pads until the others end)
         warned = False
         more = True
         while more:
@@ -289,29 +318,38 @@ class Accumulator:
             steps = self.steps_for(window)
             self._prepare_batchnorm(steps)
             for index in range(steps):
-                padding = not has_upcoming
-                batch = last_batch if padding else upcoming
-                last_batch = batch
-                if has_upcoming:
-                    upcoming, has_upcoming = _next_or_none(iterator)
+                padding = exhausted
+                batch = last_batch if padding else feed.take()
+                last_batch = batch if agree else None  # kept only to pad with
                 at_window_end = index == steps - 1
-                ranks_with_more = float(has_upcoming)
+                if padding:
+                    has_more = False
+                elif at_window_end and not agree:
+                    has_more = True  # decided after the window's step(), without fetching ahead
+                else:
+                    has_more = feed.has_more()
+                exhausted = not has_more
+                ranks_with_more = float(has_more)
                 if agree and not at_window_end:  # at the window's end step() carries the count
                     (ranks_with_more,) = distributed.all_reduce_values([ranks_with_more])
                 is_last = at_window_end or ranks_with_more == 0
                 micro = Micro(
                     batch=batch, index=index, window=window, steps=steps, is_last=is_last, is_padding=padding
                 )
+                del batch
                 self._current = micro
-                self._has_more_local = has_upcoming
+                self._has_more_local = has_more
                 try:
                     with distributed.ddp_sync(self.model, enabled=is_last or self.sync_every_micro_batch):
                         yield micro
                 finally:
                     self._current = None
+                del micro
                 if is_last:
                     if agree and at_window_end and self.window != window:
                         ranks_with_more = self._ranks_with_more
+                    elif at_window_end and not agree:
+                        ranks_with_more = float(feed.has_more())
                     break
                 if not warned and agree and 0 < ranks_with_more < world:
                     warned = True
@@ -354,11 +392,22 @@ class Accumulator:
                 ", ".join(training[:3]) + ("..." if len(training) > 3 else ""),
                 steps,
             )
-        if self._correct_batchnorm:
-            for name, layer in self._batchnorm:
-                momentum = self._batchnorm_momentum[name]
-                if momentum is not None:
-                    layer.momentum = corrected_momentum(momentum, steps)
+        self._set_batchnorm_momentum(self.window, steps)
+
+    def _set_batchnorm_momentum(self, window: int, steps: int | None = None) -> None:
+        """correct_batchnorm_momentum: set the momentum for ``window``'s planned steps.
+
+        Set at construction and after every step() (for the next window), so a loop that calls
+        backward()/step() by hand gets it as iterate() does; a window ended early with
+        step(partial=True) decays by its planned count, not its actual one.
+        """
+        if not (self._correct_batchnorm and self._batchnorm):
+            return
+        steps = self.steps_for(window) if steps is None else steps
+        for name, layer in self._batchnorm:
+            momentum = self._batchnorm_momentum[name]
+            if momentum is not None:
+                layer.momentum = corrected_momentum(momentum, steps)
 
     # ----------------------------------------------------------------- backward
     def backward(self, loss: torch.Tensor, *, items: int | float | torch.Tensor | None = None) -> None:
@@ -522,26 +571,44 @@ class Accumulator:
         if total_items <= 0:
             raise UsageError("step() on a window without items on any rank: there is no gradient to apply")
 
+        # Transactional: everything that can fail is read first; the gradients change only right
+        # before the optimizer step, and are changed back if it raises (a retry is then exact).
+        lr = _learning_rate(self.optimizer)
         factor = reference * averaged_over / total_items
         widened = self._wide.restore_(factor) if self._wide is not None else set()  # scaled in the wide dtype
+        stepped = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        grads = [p.grad for p in self._params if p.grad is not None and id(p) not in widened]
-        if grads and factor != 1.0:
-            torch._foreach_mul_(grads, factor)
-        grad_norm = self._clip_and_norm()
-
+            self.scaler.unscale_(self.optimizer)  # the optimizer's gradients only, at most once a window
+        grads = [p.grad for p in stepped if id(p) not in widened]
+        wide = [p for p in stepped if id(p) in widened]
+        # Normalising multiplies the other gradients by factor (the wide ones are already), so the
+        # total norm is sqrt((factor * |others|)^2 + |wide|^2).
+        grad_norm = math.hypot(factor * self._total_norm(grads), self._total_norm([p.grad for p in wide]))
         skipped = not math.isfinite(grad_norm)
-        lr = float(self.optimizer.param_groups[0]["lr"])
+        clip = 1.0
+        if self.max_grad_norm is not None and not skipped:
+            # torch.nn.utils.clip_grad_norm_'s coefficient, applied in the same multiply.
+            clip = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+        multiplier = factor * clip
+        if grads and multiplier != 1.0:
+            torch._foreach_mul_(grads, multiplier)
+        wide_grads = [p.grad for p in wide if p.grad is not None]
+        if wide_grads and clip != 1.0:
+            torch._foreach_mul_(wide_grads, clip)
+        try:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)  # skips by itself when unscale_ found inf/nan
+            elif not skipped:
+                self.optimizer.step()
+            else:
+                logger.warning(
+                    "window %d: non-finite gradient norm (%s); optimizer step skipped", self.window, grad_norm
+                )
+        except BaseException:
+            self._restore_grads(grads, multiplier, wide, clip, factor)
+            raise
         if self.scaler is not None:
-            self.scaler.step(self.optimizer)  # skips by itself when unscale_ found inf/nan
             self.scaler.update()
-        elif not skipped:
-            self.optimizer.step()
-        else:
-            logger.warning(
-                "window %d: non-finite gradient norm (%s); optimizer step skipped", self.window, grad_norm
-            )
         if not skipped and self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -561,19 +628,63 @@ class Accumulator:
         self._items_per_micro = total_items / total_micro_batches
         self.window += 1
         self._reset_window()
+        self._set_batchnorm_momentum(self.window)
         return stats
 
-    def _clip_and_norm(self) -> float:
-        params = [p for p in self._params if p.grad is not None]
-        if not params:
+    @staticmethod
+    def _total_norm(grads: list[torch.Tensor]) -> float:
+        if not grads:
             return 0.0
-        if self.max_grad_norm is not None:
-            norm = nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=True)
-        else:
-            norm = nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # type: ignore[misc]
+        norm = nn.utils.get_total_norm(grads, foreach=True)
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor norm
             norm = norm.full_tensor()
         return float(norm)
+
+    def _restore_grads(
+        self,
+        grads: list[torch.Tensor],
+        multiplier: float,
+        wide: list[nn.Parameter],
+        clip: float,
+        factor: float,
+    ) -> None:
+        """Undo step()'s changes after the optimizer raised: the window's gradients as before step()."""
+        if grads and multiplier != 1.0:
+            torch._foreach_div_(grads, multiplier)  # within one rounding of the gradients before
+        wide_grads = [p.grad for p in wide if p.grad is not None]
+        if wide_grads and clip != 1.0:
+            torch._foreach_div_(wide_grads, clip)
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            everything = grads + wide_grads
+            if everything and scale != 1.0:
+                torch._foreach_mul_(everything, scale)  # a power of two: exactly undoes unscale_
+            # Forget that unscale_ ran for this optimizer, so a retried step() may call it again.
+            self.scaler._per_optimizer_states.pop(id(self.optimizer), None)
+        if self._wide is not None:
+            for p in wide:  # back into the wide sums, unnormalised, as before restore_()
+                if p.grad is not None:
+                    self._wide.sums[id(p)] = p.grad.to(self._wide.dtype) / factor
+                p.grad = None
+        logger.warning(
+            "window %d: the optimizer step raised; the window's gradients are restored, so step() can "
+            "be retried or the window dropped with discard_window()",
+            self.window,
+        )
+
+    def discard_window(self) -> None:
+        """Drop the window in progress: its gradients and counts; the window index stays.
+
+        The way out after a loader, a forward or an optimizer raised mid-window (state_dict() and
+        iterate() refuse a window in progress): the next window then starts from zero gradients
+        and is exact. Parameters, optimizer, scheduler and scaler are untouched.
+        """
+        for p in self._params:
+            p.grad = None
+        if self._wide is not None:
+            self._wide.sums.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._reset_window()
 
     def _reset_window(self) -> None:
         self._items = 0.0
@@ -593,7 +704,12 @@ class Accumulator:
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """Resumable state at a window boundary (save model, optimizer, scheduler, scaler alongside)."""
+        """Resumable state at a window boundary (save model, optimizer, scheduler, scaler alongside).
+
+        Save a stateful loader's state beside it: iterate() has not fetched past the window's last
+        micro-batch when the loader has a len(). Without one (a generator, an IterableDataset), it
+        has in data-parallel runs, so that loader is one micro-batch ahead; see iterate().
+        """
         self._require_window_boundary("state_dict()")
         return {"version": 1, "window": self.window, "items_per_micro": self._items_per_micro}
 
@@ -603,3 +719,4 @@ class Accumulator:
             raise ConfigError("not an Accumulator state_dict (expected keys 'version' = 1 and 'window')")
         self.window = int(state["window"])
         self._items_per_micro = state.get("items_per_micro")
+        self._set_batchnorm_momentum(self.window)

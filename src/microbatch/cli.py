@@ -2,7 +2,9 @@
 
 Each subcommand lives in ``microbatch.commands.<name>`` with ``add_arguments(parser)`` and
 ``run(args) -> int``; they are imported only when used, so ``microbatch --help`` stays fast.
-User mistakes (microbatch's own errors) print one clear line and exit with status 2, no traceback.
+User mistakes (microbatch's own errors) print one clear line and exit with status 2, no traceback;
+so does an exception raised by the user's own code (a workload's make_batch, loss or model), named
+by its function, with the traceback under --verbose. Exit statuses are in EXIT_STATUS.
 """
 
 from __future__ import annotations
@@ -10,8 +12,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
+import traceback
 from collections.abc import Sequence
+from types import TracebackType
+
+import torch
 
 from . import __version__, distributed
 from .errors import MicrobatchError
@@ -25,17 +32,26 @@ COMMANDS: dict[str, str] = {
 }
 
 
+EXIT_STATUS = (
+    "Exit status: 0 done (verify: the gradients agree); 1 verify: the accumulated gradient differs from "
+    "the full batch's; 2 a usage mistake or an error raised by your own code (run with -v/--verbose for "
+    "its traceback); 3 an internal error of microbatch (a bug: the traceback is printed); 130 interrupted."
+)
+INTERNAL_ERROR = 3
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="microbatch",
         description="Train with the batch size your recipe asks for, on the memory you have.",
+        epilog=EXIT_STATUS,
     )
     parser.add_argument("--version", action="version", version=f"microbatch {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         module = importlib.import_module(f"microbatch.commands.{name}")
-        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        sub = subparsers.add_parser(name, help=help_text, description=help_text, epilog=EXIT_STATUS)
         module.add_arguments(sub)
         sub.set_defaults(_run=module.run)
     return parser
@@ -78,6 +94,67 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"microbatch {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as error:
+        where = user_code_frame(error.__traceback__)
+        if where is None:
+            traceback.print_exception(error, file=sys.stderr)
+            print(
+                f"microbatch {args.command}: internal error {type(error).__name__}: {error}. "
+                "This is a bug in microbatch; please report it with the traceback above",
+                file=sys.stderr,
+            )
+            return INTERNAL_ERROR
+        if args.verbose:
+            traceback.print_exception(error, file=sys.stderr)
+        hint = "" if args.verbose else " (run `microbatch --verbose ...` for the traceback)"
+        print(
+            f"microbatch {args.command}: error in your code: {where} raised "
+            f"{type(error).__name__}: {_one_line(error)}{hint}",
+            file=sys.stderr,
+        )
+        return 2
+
+
+# microbatch's and torch's own files: frames in them are not the user's code.
+_LIBRARIES = tuple(os.path.dirname(os.path.abspath(path)) + os.sep for path in (__file__, torch.__file__))
+
+
+def _is_library(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path.startswith(_LIBRARIES) or filename.startswith("<frozen")
+
+
+def user_code_frame(tb: TracebackType | None) -> str | None:
+    """'function (file:line)' of the user's code an exception came from; None if it came from ours.
+
+    The user's function is where the call stack last entered user code from microbatch or torch
+    (make_batch, loss, a model's forward), so an error deeper in a third library still names it;
+    the innermost frame of user code is added when it is another function.
+    """
+    entry = innermost = None
+    previous_is_library = False
+    for frame, line in traceback.walk_tb(tb):
+        filename = frame.f_code.co_filename
+        is_library = _is_library(filename)
+        if not is_library:
+            name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+            innermost = f"{name} ({_short_path(filename)}:{line})"
+            if previous_is_library:
+                entry = innermost
+        previous_is_library = is_library
+    if entry is None or innermost is None:
+        return None
+    return entry if innermost == entry else f"{entry}, in {innermost}"
+
+
+def _short_path(filename: str) -> str:
+    relative = os.path.relpath(filename)
+    return filename if relative.startswith("..") else relative
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ Every collective here runs on every rank at the same point of the loop, or it wo
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import datetime
 import logging
 import os
@@ -47,7 +48,29 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+# Set inside single_process(): this process measures its own model alone (the planner's profile and
+# trial run on one rank while the others wait), so nothing may see the other ranks.
+_SINGLE_PROCESS: contextvars.ContextVar[bool] = contextvars.ContextVar("single_process", default=False)
+
+
+@contextlib.contextmanager
+def single_process() -> Iterator[None]:
+    """Inside (also as a decorator), world_size() is 1: no collective runs and no rank waits.
+
+    The planner profiles and proves one rank's unwrapped model on rank 0 while the other ranks wait
+    for the plan; an Accumulator built there must neither all-reduce nor warn that the model is not
+    wrapped in DDP.
+    """
+    token = _SINGLE_PROCESS.set(True)
+    try:
+        yield
+    finally:
+        _SINGLE_PROCESS.reset(token)
+
+
 def world_size() -> int:
+    if _SINGLE_PROCESS.get():
+        return 1
     return dist.get_world_size() if is_initialized() else 1
 
 

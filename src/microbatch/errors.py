@@ -39,12 +39,22 @@ class InfeasibleBudgetError(MicrobatchError, ValueError):
     """No plan fits the memory budget.
 
     ``minimum_bytes`` is the smallest peak any plan reaches; ``parts`` says what it is made of.
+    ``minimum_is_lower_bound``: True when ``minimum_bytes`` is only known to be at least that much
+    (a check made before measuring the model, or after trials ran out of memory).
     """
 
-    def __init__(self, message: str, *, minimum_bytes: int, parts: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        minimum_bytes: int,
+        parts: dict[str, int] | None = None,
+        minimum_is_lower_bound: bool = False,
+    ) -> None:
         super().__init__(message)
         self.minimum_bytes = minimum_bytes
         self.parts = dict(parts or {})
+        self.minimum_is_lower_bound = minimum_is_lower_bound
 
 
 class ResumeError(MicrobatchError, RuntimeError):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .errors import WorkloadError
+from .optimizer_state import fresh_optimizer_like
 
 LossFn = Callable[[nn.Module, Any], "tuple[torch.Tensor, int | float | torch.Tensor]"]
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
@@ -31,7 +32,9 @@ class Workload:
         tensors with the samples along dimension 0). Successive calls may return different data.
     loss: ``loss(model, batch) -> (loss, items)``: the loss averaged over ``items`` (samples, or tokens
         that are not padding), and that count. The full-batch loss is the item-weighted mean.
-    optimizer: optional ``optimizer(model) -> torch.optim.Optimizer``; AdamW(lr=1e-3) when absent.
+    optimizer: optional: an optimizer instance over the model's parameters, or a factory
+        ``optimizer(model) -> torch.optim.Optimizer``; AdamW(lr=1e-3) when absent. The planner never
+        steps an instance: it steps a fresh one of the same class and parameter-group hyperparameters.
     max_length: set when samples vary in length (at most ``max_length`` tokens) and ``make_batch(b)``
         pads b rows to ``max_length`` (the worst case): the planner then also reports a token budget,
         ``Plan.max_tokens``, for micro-batches split with ``split_by_tokens`` (see planner/tokens.py).
@@ -40,14 +43,36 @@ class Workload:
     model: nn.Module
     make_batch: Callable[[int], Any]
     loss: LossFn
-    optimizer: OptimizerFactory | None = None
+    optimizer: OptimizerFactory | torch.optim.Optimizer | None = None
     name: str = "workload"
     description: str = ""
     max_length: int | None = None
 
     def make_optimizer(self) -> torch.optim.Optimizer:
+        """A new optimizer for the model, with empty state (never the user's instance itself)."""
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            known = {id(p) for p in self.model.parameters()}
+            held = [p for group in self.optimizer.param_groups for p in group["params"]]
+            if not any(id(p) in known for p in held):
+                raise WorkloadError(
+                    f"Workload(optimizer=...) of workload {self.name!r} is a {type(self.optimizer).__name__} "
+                    "over none of the model's parameters; build it from model.parameters(), or pass a "
+                    "factory: optimizer=lambda model: torch.optim.AdamW(model.parameters())"
+                )
+            return fresh_optimizer_like(self.optimizer)
         if self.optimizer is not None:
-            return self.optimizer(self.model)
+            if not callable(self.optimizer):
+                raise WorkloadError(
+                    f"Workload(optimizer=...) of workload {self.name!r} must be a torch.optim.Optimizer or a "
+                    f"function model -> Optimizer, got {type(self.optimizer).__name__}"
+                )
+            optimizer = self.optimizer(self.model)
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise WorkloadError(
+                    f"Workload(optimizer=...) of workload {self.name!r} returned {type(optimizer).__name__}, "
+                    "not a torch.optim.Optimizer"
+                )
+            return optimizer
         return torch.optim.AdamW(self.model.parameters(), lr=1e-3)
 
     @property

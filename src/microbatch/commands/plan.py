@@ -38,10 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--memory",
         required=True,
         help=(
-            "peak memory budget per rank: '8GiB', '300MiB', bytes, or a fraction such as 0.8. On CUDA: peak "
-            "reserved bytes of the caching allocator + what is measured outside it (context, cuBLAS/cuDNN "
-            "workspaces, NCCL), and a fraction is of the free memory at plan time; on CPU: peak live tensor "
-            "bytes; with --world-size > 1 DDP's gradient buckets count too"
+            "peak memory budget per rank: a size with an optional unit ('8GiB', '300MiB', '1000000' bytes; "
+            "whole bytes), or a fraction of the device's FREE memory at plan time: '80%%' or a decimal in "
+            "(0, 1] such as 0.8. On CUDA: peak reserved bytes of the caching allocator + what is measured "
+            "outside it (context, cuBLAS/cuDNN workspaces, NCCL); on CPU: peak live tensor bytes; with "
+            "--world-size > 1 DDP's gradient buckets count too"
         ),
     )
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
@@ -156,8 +157,34 @@ def _check_output(flag: str, path: str | None) -> None:
         raise ConfigError(f"{flag} {path!r}: cannot write there; choose a file in a folder you can write to")
 
 
+def check_plot_path(path: str) -> None:
+    """Refuse a --plot path that cannot be written, before planning (so no plan is lost)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install matplotlib, or leave out --plot") from None
+    target = os.path.abspath(path)
+    folder = os.path.dirname(target)
+    if os.path.isdir(target):
+        raise ConfigError(
+            f"--plot {path} is a directory; give a file name such as {os.path.join(path, 'frontier.png')}"
+        )
+    extension = os.path.splitext(target)[1].lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if extension not in formats:
+        raise ConfigError(
+            f"--plot {path}: unknown image format {extension!r}; end it in {', '.join(sorted(formats))}"
+        )
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--plot {path}: the directory {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK) or (os.path.exists(target) and not os.access(target, os.W_OK)):
+        raise ConfigError(f"--plot {path} is not writable; choose a path you can write")
+
+
 def run(args: argparse.Namespace) -> int:
     _check_output("--out", args.out)
+    if args.plot:
+        check_plot_path(args.plot)
     blocks = (
         "auto" if args.blocks == "auto" else [name.strip() for name in args.blocks.split(",") if name.strip()]
     )

@@ -78,9 +78,10 @@ def _add_run_arguments(add: Any) -> None:
     add(
         "--memory",
         help=(
-            "peak memory budget, e.g. 300MiB, 8GiB, or 0.5 of the device (default: see above). On CUDA: peak "
+            "peak memory budget: a size (300MiB, 8GiB, whole bytes), or a fraction of the device's free "
+            "memory at start: 80%% or a decimal in (0, 1] such as 0.5 (default: see above). On CUDA: peak "
             "reserved bytes of the caching allocator + what is measured outside it (context, workspaces, "
-            "NCCL; a fraction is of the free memory); on CPU: peak live tensor bytes"
+            "NCCL); on CPU: peak live tensor bytes"
         ),
     )
     add("--steps", type=int, help=f"optimizer steps in total (default {_DEFAULTS.steps})")

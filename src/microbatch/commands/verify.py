@@ -1,7 +1,7 @@
 """``microbatch verify MODEL --batch B --steps N [--autocast bf16] [--json]``: accumulated vs full batch.
 
 Exit status 0 when the gradients agree within the tolerance, 1 when they differ (the diagnostics
-say why), 2 for a usage mistake.
+say why), 2 for a usage mistake or an error in the user's own code, 3 for an internal error.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ AUTOCAST: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float1
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
         "Exit status: 0 when the accumulated gradient equals the full-batch gradient within the "
-        "tolerance, 1 when it differs (the diagnostics say why), 2 for a usage mistake."
+        "tolerance, 1 when it differs (the diagnostics say why), 2 for a usage mistake or an error "
+        "raised by your own code (named in one line; -v/--verbose shows its traceback), 3 for an "
+        "internal error of microbatch."
     )
     parser.add_argument(
         "model",

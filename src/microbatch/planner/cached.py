@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .. import distributed
 from ..batching import batch_size_of, slice_batch
 from ..cached import _flatten, cached_backward
 from ..errors import ConfigError, InfeasibleBudgetError
@@ -185,6 +186,7 @@ def _predict(measured: _Measured, batch: int, micro: int, budget: int) -> dict[s
     }
 
 
+@distributed.single_process()
 def plan_cached(
     encode: Callable[[Any], Any],
     loss: Callable[[Any], torch.Tensor],

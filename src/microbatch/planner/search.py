@@ -23,6 +23,13 @@ micro-batches cost N * a + k * B_rank whatever their split, and the smallest b n
 memory; every other b is dominated (the profile's times run through its measurements, Fit.line_beyond:
 linear between them, so nearly so).
 
+The search is bounded. Up to EXACT_SEARCH_BATCH samples per rank every such b is tried (about
+2 sqrt(B_rank) of them). Above, b runs over every value up to SMALL_SIZES and a geometric grid
+(ratio GRID_RATIO) above it, O(log B_rank) sizes; then a bisection over N between the fastest
+fitting grid point and the next larger grid size finds the largest b that fits there (fitting is
+monotone in b: a larger micro-batch holds more). A window is at most MAX_STEPS_PER_WINDOW
+micro-batches, and each is priced from (size, count) pairs, never a list of N sizes.
+
 Ties: predicted times are fits of measured ones, which repeat only to within the profile's noise
 n = Profile.time_noise. Two plans' times can each be off by n in opposite directions, so plans
 whose predicted times differ by less than 2 n (at least MIN_TIE_FRACTION) are not told apart by
@@ -36,13 +43,13 @@ although its timings differ from run to run.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..batching import micro_batch_sizes
 from ..errors import ConfigError
 from ..profile import NONE, Profile
 from . import solve
+from .windows import EXACT_SEARCH_BATCH, WindowSizes, candidate_sizes, size_counts
 
 FRONTIER_POINTS = 256  # per micro-batch size
 STEADY, FIRST, BOTH = "steady", "first", "both"  # phases of a window; see Model.chain
@@ -61,7 +68,7 @@ MIN_TIE_FRACTION = 0.05
 class Candidate:
     """One point of the search: sizes, a policy per block, and the model's peak and time."""
 
-    micro_batch_sizes: tuple[int, ...]
+    micro_batch_sizes: Sequence[int]  # a WindowSizes from the search
     block_policies: tuple[tuple[str, str], ...]
     peak_bytes: int
     seconds_per_step: float
@@ -83,20 +90,34 @@ class SearchResult:
     minimum: Candidate  # the lowest peak any candidate reaches
 
 
-def candidate_sizes(per_rank_batch: int) -> list[int]:
-    """b = ceil(B_rank / N) for N = 1 .. B_rank, largest first (about 2 sqrt(B_rank) values)."""
-    return sorted({-(-per_rank_batch // steps) for steps in range(1, per_rank_batch + 1)}, reverse=True)
-
-
 class Model:
     """The peak and time model of one profile; builds solver chains and prices their solutions."""
 
     def __init__(
-        self, profile: Profile, *, correction_bytes: int = 0, safety_margin: float = SAFETY_MARGIN
+        self,
+        profile: Profile,
+        *,
+        correction_bytes: int = 0,
+        safety_margin: float = SAFETY_MARGIN,
+        bytes_per_sample: int = 0,
     ) -> None:
         self.profile = profile
         self.correction_bytes = correction_bytes
         self.safety_margin = safety_margin
+        self.bytes_per_sample = bytes_per_sample
+
+    def batch_bytes(self, sizes: Sequence[int]) -> int:
+        """The largest micro-batch and the loop: the profile's fit, at least the batch's own tensors.
+
+        Beyond the profiled sizes the floor keeps a fit measured on a few small micro-batches (which
+        may be views of data already held, so cost nothing) from predicting that a huge micro-batch
+        costs nothing; within them the measurement stands.
+        """
+        b = largest(sizes)
+        fitted = math.ceil(self.profile.base_bytes(b))
+        if b <= max(self.profile.micro_batch_sizes, default=0):
+            return fitted
+        return max(fitted, b * self.bytes_per_sample)
 
     def _gradient_terms(self, steps: int) -> list[int]:
         segments = self.profile.segments
@@ -121,21 +142,25 @@ class Model:
         """
         # The first phase is the window's first micro-batch; the steady phase the largest later one
         # (with one micro-batch per window, every window's only one: the same size).
-        first_size, steady_size = sizes[0], max(sizes[1:], default=sizes[0])
+        counts = size_counts(sizes)
+        first_size = sizes[0]
+        # The largest after the first: all sizes but one copy of the first.
+        later = [size for size, count in counts if count > (size == first_size)]
+        steady_size = max(later, default=first_size)
         steady_gradients = self._gradient_terms(len(sizes))
         first_gradients = self._gradient_terms(1)
         chain = []
         for k, segment in enumerate(self.profile.segments):
             base = segment.costs[NONE]
-            base_seconds = sum(base.seconds(m) for m in sizes)
-            forward_seconds = sum(base.forward_seconds(m) for m in sizes)
+            base_seconds = sum(n * base.seconds(m) for m, n in counts)
+            forward_seconds = sum(n * base.forward_seconds(m) for m, n in counts)
             options = []
             for policy, cost in segment.costs.items():
                 extra = 0.0
                 if policy != NONE:
                     # A recompute repeats (part of) the forward: a smaller measured cost is noise.
                     floor = RECOMPUTE_FLOOR.get(policy, 1.0) * forward_seconds
-                    extra = max(floor, sum(cost.seconds(m) for m in sizes) - base_seconds)
+                    extra = max(floor, sum(n * cost.seconds(m) for m, n in counts) - base_seconds)
                 steady = (cost.kept(steady_size), cost.peak(steady_size) + steady_gradients[k])
                 first = (
                     cost.kept(first_size, first=True),
@@ -161,9 +186,9 @@ class Model:
     def base_seconds(self, sizes: Sequence[int]) -> float:
         """Seconds per step with no block checkpointed."""
         total = self.profile.step_seconds
-        for m in sizes:
-            total += self.profile.loop_seconds(m)
-            total += sum(segment.costs[NONE].seconds(m) for segment in self.profile.segments)
+        for m, n in size_counts(sizes):
+            total += n * self.profile.loop_seconds(m)
+            total += n * sum(segment.costs[NONE].seconds(m) for segment in self.profile.segments)
         return total
 
     def fixed_bytes(self, sizes: Sequence[int]) -> int:
@@ -172,7 +197,7 @@ class Model:
         return (
             profile.parameter_bytes
             + profile.optimizer_bytes
-            + math.ceil(profile.base_bytes(max(sizes)))
+            + self.batch_bytes(sizes)
             + profile.slack_bytes
             + profile.reserved_overhead(max(sizes))
             + self.correction_bytes
@@ -183,7 +208,7 @@ class Model:
         profile = self.profile
         return (
             profile.static_bytes
-            + math.ceil(profile.base_bytes(max(sizes)))
+            + self.batch_bytes(sizes)
             + profile.step_peak_bytes
             + profile.slack_bytes
             + profile.reserved_overhead(max(sizes))  # the micro-batches' cached segments (CUDA)
@@ -207,7 +232,7 @@ class Model:
         chain_peak = max(steady.peak_bytes, first.peak_bytes)
         fixed = self.fixed_bytes(sizes)
         chain_bytes = self.activation_bytes(chain_peak)
-        parts = {**profile.static_parts(), "batch and loop": math.ceil(profile.base_bytes(max(sizes)))}
+        parts = {**profile.static_parts(), "batch and loop": self.batch_bytes(sizes)}
         if fixed + chain_bytes >= self.step_bytes(sizes):
             margin = chain_bytes - chain_peak
             # The chain's peak holds the gradients that are live then; the rest of it is activations.
@@ -231,7 +256,7 @@ class Model:
             if segment.is_block
         )
         return Candidate(
-            micro_batch_sizes=tuple(sizes),
+            micro_batch_sizes=sizes if isinstance(sizes, WindowSizes) else tuple(sizes),
             block_policies=policies,
             peak_bytes=max(fixed + chain_bytes, self.step_bytes(sizes)),
             seconds_per_step=self.base_seconds(sizes) + steady.extra_seconds,
@@ -245,6 +270,10 @@ class Model:
             wanted = policies.get(segment.name, NONE)
             choice.append(segment.policies.index(wanted) if wanted in segment.policies else 0)
         return self.price(sizes, choice)
+
+
+def largest(sizes: Sequence[int]) -> int:
+    return max(size for size, _ in size_counts(sizes))
 
 
 def recomputed_blocks(block_policies: Sequence[tuple[str, str]]) -> float:
@@ -302,41 +331,108 @@ def search(
     min_micro_batch_size: int = 1,
     even: bool = False,
     prefer_large: bool = False,
+    bytes_per_sample: int = 0,
 ) -> SearchResult:
     """The fastest plan (up to ties) whose predicted peak is <= capacity_bytes, the frontier, the minimum.
 
     Only splits whose every micro-batch has >= ``min_micro_batch_size`` samples are searched, and with
     ``even`` only those of equal micro-batches (micro x steps == per_rank_batch). ``prefer_large``:
     the largest micro-batch that fits wins, then the fastest (BatchNorm normalises per micro-batch).
+    ``bytes_per_sample``: the tensor bytes of one sample of the batch, a floor under the batch's
+    share of the peak beyond the profiled sizes (see Model.batch_bytes).
     """
-    model = Model(profile, correction_bytes=correction_bytes, safety_margin=safety_margin)
-    fits: list[Candidate] = []
-    points: list[Candidate] = []
-    minimum: Candidate | None = None
-    for b in candidate_sizes(per_rank_batch):
-        sizes = micro_batch_sizes(per_rank_batch, b)
-        if min(sizes) < min(min_micro_batch_size, per_rank_batch) or (even and len(set(sizes)) > 1):
-            continue
-        # The steady chain's frontier, priced in both phases; and the choice with the lowest peak
-        # in both phases together (a chain that bounds both), so the minimum is never missed.
-        front = solve.frontier(model.chain(sizes), max_points=FRONTIER_POINTS)
-        both = model.chain(sizes, phase=BOTH)
-        priced = [model.price(sizes, s.choice) for s in (*front, solve.minimum_peak(both))]
-        lowest = min(priced, key=lambda c: (c.peak_bytes, c.seconds_per_step))
-        if minimum is None or lowest.peak_bytes < minimum.peak_bytes:
-            minimum = lowest
-        points.extend(priced)
-        if model.step_bytes(sizes) > capacity_bytes:
-            continue
-        fitting = [c for c in priced if c.peak_bytes <= capacity_bytes]
-        if not fitting:  # nothing on the frontier fits: the fastest choice that fits both phases
-            solution = solve.solve(both, model.room(sizes, capacity_bytes))
-            fitting = [model.price(sizes, solution.choice)] if solution is not None else []
-        fits.extend(fitting)
-    if minimum is None:
+    if isinstance(per_rank_batch, bool) or not isinstance(per_rank_batch, int) or per_rank_batch < 1:
         raise ConfigError(f"per_rank_batch must be >= 1, got {per_rank_batch}")
+    model = Model(
+        profile,
+        correction_bytes=correction_bytes,
+        safety_margin=safety_margin,
+        bytes_per_sample=bytes_per_sample,
+    )
+
+    def allowed(b: int) -> bool:
+        counts = WindowSizes(per_rank_batch, b).counts
+        smallest = min(size for size, _ in counts)
+        return smallest >= min(min_micro_batch_size, per_rank_batch) and not (even and len(counts) > 1)
+
+    state = _SearchState(tie_fraction(profile))
+    grid = [b for b in candidate_sizes(per_rank_batch) if allowed(b)]
+    for b in grid:
+        state.add(_price_size(model, WindowSizes(per_rank_batch, b), capacity_bytes))
+    if per_rank_batch > EXACT_SEARCH_BATCH and state.fits and not even:
+        _refine(model, state, grid, per_rank_batch, capacity_bytes, allowed)
+    if state.minimum is None:
+        raise ConfigError(f"per_rank_batch must be >= 1, got {per_rank_batch}")
+    fits = state.fits
     if prefer_large and fits:
-        largest = max(candidate.micro_batch_size for candidate in fits)
-        fits = [candidate for candidate in fits if candidate.micro_batch_size == largest]
+        biggest = max(candidate.micro_batch_size for candidate in fits)
+        fits = [candidate for candidate in fits if candidate.micro_batch_size == biggest]
     best = choose(fits, tie=tie_fraction(profile))
-    return SearchResult(best=best, frontier=tuple(pareto(points)), minimum=minimum)
+    return SearchResult(best=best, frontier=tuple(pareto(state.points)), minimum=state.minimum)
+
+
+class _SearchState:
+    def __init__(self, tie: float) -> None:
+        self.tie = tie
+        self.fits: list[Candidate] = []
+        self.minimum: Candidate | None = None
+        self.points: list[Candidate] = []
+
+    @property
+    def best(self) -> Candidate | None:
+        return choose(self.fits, tie=self.tie)
+
+    def add(self, priced_fitting: tuple[list[Candidate], list[Candidate]]) -> bool:
+        """Record one size's candidates; True when some of them fit."""
+        priced, fitting = priced_fitting
+        lowest = min(priced, key=lambda c: (c.peak_bytes, c.seconds_per_step))
+        if self.minimum is None or lowest.peak_bytes < self.minimum.peak_bytes:
+            self.minimum = lowest
+        self.points.extend(priced)
+        self.fits.extend(fitting)
+        return bool(fitting)
+
+
+def _price_size(
+    model: Model, sizes: WindowSizes, capacity_bytes: float
+) -> tuple[list[Candidate], list[Candidate]]:
+    """One micro-batch size: its priced candidates, and those within the capacity."""
+    # The steady chain's frontier, priced in both phases; and the choice with the lowest peak
+    # in both phases together (a chain that bounds both), so the minimum is never missed.
+    front = solve.frontier(model.chain(sizes), max_points=FRONTIER_POINTS)
+    both = model.chain(sizes, phase=BOTH)
+    priced = [model.price(sizes, s.choice) for s in (*front, solve.minimum_peak(both))]
+    if model.step_bytes(sizes) > capacity_bytes:
+        return priced, []
+    fitting = [c for c in priced if c.peak_bytes <= capacity_bytes]
+    if not fitting:  # nothing on the frontier fits: the fastest choice that fits both phases
+        solution = solve.solve(both, model.room(sizes, capacity_bytes))
+        fitting = [model.price(sizes, solution.choice)] if solution is not None else []
+    return priced, fitting
+
+
+def _refine(
+    model: Model,
+    state: _SearchState,
+    grid: Sequence[int],
+    per_rank_batch: int,
+    capacity_bytes: float,
+    allowed: Callable[[int], bool],
+) -> None:
+    """Bisect N between the best grid size and the next larger one: the largest b that fits there."""
+    best = state.best
+    if best is None:
+        return
+    larger = [b for b in grid if b > best.micro_batch_size]
+    if not larger:
+        return
+    # Fitting is monotone in b; find the smallest N in (N(larger), N(best)) whose b still fits.
+    low_steps = -(-per_rank_batch // min(larger))  # too few steps: did not fit (or was not best)
+    high_steps = -(-per_rank_batch // best.micro_batch_size)
+    while high_steps - low_steps > 1:
+        middle = (low_steps + high_steps) // 2
+        b = -(-per_rank_batch // middle)
+        if allowed(b) and state.add(_price_size(model, WindowSizes(per_rank_batch, b), capacity_bytes)):
+            high_steps = middle
+        else:
+            low_steps = middle

@@ -36,13 +36,15 @@ from typing import Any
 
 import torch
 
+from .. import distributed
 from ..accumulate import Accumulator
-from ..batching import move_batch
+from ..batching import batch_size_of, move_batch
 from ..checkpoint import BlockSpec, checkpoint
 from ..compiled import eager_workload
-from ..errors import ConfigError, InfeasibleBudgetError
+from ..errors import ConfigError, InfeasibleBudgetError, MicrobatchError, WorkloadError
 from ..memory import MemoryTracker, format_bytes
 from ..oom import attempt, free_memory
+from ..optimizer_state import optimizer_state_bytes
 from ..profile import (
     NONE,
     Profile,
@@ -59,6 +61,7 @@ from .rules import SplitRules, batchnorm_note, beats, even_batch, profile_with_r
 from .search import Candidate, Model, SearchResult, search, tie_fraction
 from .simulated import finish, profile_for, resolve_target, target_budget
 from .tokens import token_budget
+from .windows import MAX_STEPS_PER_WINDOW
 
 logger = logging.getLogger(__name__)
 
@@ -156,26 +159,83 @@ def _static_message(profile: Profile, budget_bytes: int) -> str | None:
 def _refuse_budget_below_weights(
     workload: Workload, budget_bytes: int, reserve: BudgetReserve | None = None, *, shards: int = 1
 ) -> None:
-    """Fail before profiling when parameters and their gradients alone exceed the budget.
+    """Fail before profiling when parameters, gradients and optimizer state alone exceed the budget.
 
-    This lower bound needs no measurement; the full static count (optimizer state included) comes
-    from the profile, and infeasible_error reports it. ``shards``: FSDP ranks sharing them.
+    The optimizer state is counted without allocating it (optimizer_state.optimizer_state_bytes:
+    one dry step on the meta device, or the optimizer's known factor). The sum is a lower bound of
+    every plan's peak (activations, the batch and temporaries come on top), and the error says so.
+    ``shards``: FSDP ranks sharing them.
     """
-    parameter_bytes = sum(p.numel() * p.element_size() for p in workload.model.parameters()) // shards
-    gradient_bytes = (
-        sum(p.numel() * p.element_size() for p in workload.model.parameters() if p.requires_grad) // shards
-    )
-    total = parameter_bytes + gradient_bytes
+    parameters = list(workload.model.parameters())
+    parameter_bytes = sum(p.numel() * p.element_size() for p in parameters) // shards
+    gradient_bytes = sum(p.numel() * p.element_size() for p in parameters if p.requires_grad) // shards
+    optimizer = workload.make_optimizer()
+    state_bytes, _ = optimizer_state_bytes(workload.model, optimizer)
+    parts = {
+        "parameters": parameter_bytes,
+        "gradients": gradient_bytes,
+        f"{type(optimizer).__name__} state": state_bytes // shards,
+    }
+    del optimizer
+    total = sum(parts.values())
     if total > budget_bytes:
+        terms = " + ".join(f"{name} {format_bytes(value)}" for name, value in parts.items() if value)
         error = InfeasibleBudgetError(
-            f"parameters {format_bytes(parameter_bytes)} + gradients {format_bytes(gradient_bytes)} = "
-            f"{format_bytes(total)} already exceed the budget memory={format_bytes(budget_bytes)}, before "
-            "any optimizer state or activation; no micro-batch size or checkpointing can fit. Raise memory, "
-            "or shrink the model (FSDP across more ranks, frozen parameters)",
+            f"{terms} = {format_bytes(total)} already exceed the budget memory={format_bytes(budget_bytes)}, "
+            "before any activation; no micro-batch size or checkpointing can fit. Raise memory to more than "
+            f"{format_bytes(total)} (at least; activations come on top), or shrink the model or its "
+            "optimizer state (a stateless or 8-bit optimizer, FSDP across more ranks, frozen parameters)",
             minimum_bytes=total,
-            parts={"parameters": parameter_bytes, "gradients": gradient_bytes},
+            parts=parts,
+            minimum_is_lower_bound=True,
         )
         raise with_reserve(error, reserve) if reserve is not None else error
+
+
+def _check_make_batch(workload: Workload, per_rank_batch: int) -> int:
+    """make_batch(b) must return b samples (the profile and the trial rely on it), as verify checks.
+
+    Returns the tensor bytes of one sample (a floor under a micro-batch's memory).
+    """
+    sample_bytes = 0
+    for size in sorted({1, min(2, per_rank_batch)}, reverse=True):
+        made = workload.make_batch(size)
+        try:
+            found = batch_size_of(made)
+        except MicrobatchError as error:
+            raise WorkloadError(f"make_batch({size}) of workload {workload.name!r}: {error}") from error
+        if found != size:
+            raise WorkloadError(
+                f"make_batch({size}) of workload {workload.name!r} returned a batch of {found} samples; "
+                f"make_batch(b) must return exactly b samples (along dimension 0 of every tensor)"
+            )
+        sample_bytes = _tensor_bytes(made) // size
+    return sample_bytes
+
+
+def _tensor_bytes(batch: object) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.numel() * batch.element_size()
+    if isinstance(batch, dict):
+        return sum(_tensor_bytes(value) for value in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(_tensor_bytes(value) for value in batch)
+    return 0
+
+
+def _refuse_window_too_long(per_rank_batch: int, budget_bytes: int, result: SearchResult) -> None:
+    """A batch that needs more micro-batches per step than a window may have: a clear refusal."""
+    least = -(-per_rank_batch // MAX_STEPS_PER_WINDOW)
+    if least <= 1 or result.best is not None:
+        return
+    raise InfeasibleBudgetError(
+        f"batch of {per_rank_batch:,} samples per rank: within {MAX_STEPS_PER_WINDOW:,} micro-batches per "
+        f"optimizer step a micro-batch must hold at least {least:,} samples, and none that large fits "
+        f"memory={format_bytes(budget_bytes)} (the smallest such plan needs "
+        f"{format_bytes(result.minimum.peak_bytes)}); lower the batch, or raise memory",
+        minimum_bytes=result.minimum.peak_bytes,
+        parts=dict(result.minimum.parts),
+    )
 
 
 def infeasible_error(profile: Profile, result: SearchResult, budget_bytes: int) -> InfeasibleBudgetError:
@@ -220,6 +280,7 @@ def _faster_without_margin(
     correction_bytes: int,
     safe: Candidate | None,
     rules: SplitRules | None = None,
+    bytes_per_sample: int = 0,
 ) -> Candidate | None:
     """A plan faster than ``safe`` that fits the capacity without the safety margin (margin shown)."""
     rules = rules or SplitRules()
@@ -229,12 +290,13 @@ def _faster_without_margin(
         capacity_bytes=capacity,
         correction_bytes=correction_bytes,
         safety_margin=0.0,
+        bytes_per_sample=bytes_per_sample,
         **rules.search_options(),
     ).best
     tie = tie_fraction(profile)
     if bold is None or (safe is not None and not beats(bold, safe, prefer_large=rules.prefer_large, tie=tie)):
         return None  # not better beyond the timings' noise: the safe plan it is
-    model = Model(profile, correction_bytes=correction_bytes)
+    model = Model(profile, correction_bytes=correction_bytes, bytes_per_sample=bytes_per_sample)
     return model.evaluate(bold.micro_batch_sizes, dict(bold.block_policies))
 
 
@@ -271,17 +333,66 @@ def _extend_profile(
     return profile_with_rules(profile_workload, workload, rules, size, size, **options)
 
 
+def _key(candidate: Candidate) -> tuple[object, ...]:
+    return (candidate.micro_batch_size, candidate.steps, candidate.block_policies)
+
+
+def _last_resort(
+    chosen: Candidate | None,
+    out_of_trials: bool,
+    result: SearchResult,
+    budget_bytes: int,
+    tried: set[tuple[object, ...]],
+    notes: list[str],
+) -> Candidate | None:
+    """The plan with the least predicted peak (smallest micro-batch, most checkpointing), if untried.
+
+    After trials ran out of memory, the bisection of the predicted peak may rule out plans that fit
+    (the model mispredicts what a device can hold): the smallest plan is tried before giving up.
+    """
+    if chosen is not None and not out_of_trials:
+        return chosen
+    smallest = result.minimum
+    if _key(smallest) in tried or smallest.peak_bytes > budget_bytes:
+        return None
+    notes.append(f"trying the smallest plan after {len(tried)} trial(s), some out of memory")
+    return smallest
+
+
+def _refuse_after_max_trials(
+    chosen: Candidate, result: SearchResult, trials: int, max_trials: int, budget_bytes: int, notes: list[str]
+) -> None:
+    """After ``max_trials`` trials only the smallest plan (the last resort) may still be tried."""
+    if trials >= max_trials and _key(chosen) != _key(result.minimum):
+        raise InfeasibleBudgetError(
+            f"no plan proved to fit memory={format_bytes(budget_bytes)} in {max_trials} trials: "
+            + "; ".join(notes[-trials:]),
+            minimum_bytes=result.minimum.peak_bytes,
+            parts=dict(result.minimum.parts),
+        )
+
+
 def _no_plan(
-    profile: Profile, result: SearchResult, budget_bytes: int, trials: int, notes: Sequence[str]
+    profile: Profile,
+    result: SearchResult,
+    budget_bytes: int,
+    trials: int,
+    notes: Sequence[str],
+    per_rank_batch: int,
 ) -> InfeasibleBudgetError:
+    _refuse_window_too_long(per_rank_batch, budget_bytes, result)
     if trials == 0:
         return infeasible_error(profile, result, budget_bytes)
     return InfeasibleBudgetError(
         f"no plan fits memory={format_bytes(budget_bytes)} after {trials} trial(s): "
         + "; ".join(notes[-trials:])
-        + f". The model's smallest plan predicts {format_bytes(result.minimum.peak_bytes)}",
+        + f". The smallest plan (micro-batch {result.minimum.micro_batch_size} with "
+        f"{summarize_policies(result.minimum.block_policies)}) was tried or predicts more than the budget; "
+        f"it needs at least {format_bytes(result.minimum.peak_bytes)} as predicted, more where a trial ran "
+        "out of memory: raise memory, or free the device",
         minimum_bytes=result.minimum.peak_bytes,
         parts=dict(result.minimum.parts),
+        minimum_is_lower_bound=True,
     )
 
 
@@ -297,6 +408,7 @@ def _validate(batch: int, world_size: int) -> int:
     return batch // world_size
 
 
+@distributed.single_process()
 def plan(
     workload: Workload | str,
     *,
@@ -360,6 +472,7 @@ def plan(
     )
     shards = world_size if shard == "fsdp" else 1
     _refuse_budget_below_weights(workload, budget_bytes - reserve.total_bytes, reserve, shards=shards)
+    bytes_per_sample = _check_make_batch(workload, per_rank_batch)
     extend = profile is None and max_profile_micro_batch_size is None and spec is None
     if profile is None:
         options = {"blocks": blocks, "policies": policies, "progress": progress}
@@ -397,6 +510,8 @@ def plan(
     trials = 0
     measured: TrialResult | None = None
     margin_free_pending = trial
+    out_of_memory = False  # a trial ran out of memory
+    tried: set[tuple[object, ...]] = set()
     while True:
         capacity = min(model_budget_bytes, oom_limit_bytes - 1 + correction_bytes)
         result = search(
@@ -404,6 +519,7 @@ def plan(
             per_rank_batch=per_rank_batch,
             capacity_bytes=capacity,
             correction_bytes=correction_bytes,
+            bytes_per_sample=bytes_per_sample,
             **rules.search_options(),
         )
         chosen, margin_free = result.best, False
@@ -412,22 +528,21 @@ def plan(
             # trial first: if the measured peak fits, the measurement is the proof.
             margin_free_pending = False
             faster = _faster_without_margin(
-                profile, per_rank_batch, capacity, correction_bytes, chosen, rules
+                profile, per_rank_batch, capacity, correction_bytes, chosen, rules, bytes_per_sample
             )
             if faster is not None:
                 chosen, margin_free = faster, True
+        if out_of_memory:  # before giving up after out-of-memory trials: the smallest plan, once
+            chosen = _last_resort(chosen, trials >= max_trials, result, model_budget_bytes, tried, notes)
         if chosen is None:
-            raise with_reserve(_no_plan(profile, result, model_budget_bytes, trials, notes), reserve)
+            raise with_reserve(
+                _no_plan(profile, result, model_budget_bytes, trials, notes, per_rank_batch), reserve
+            )
         if not trial:
             break
-        if trials >= max_trials:
-            raise InfeasibleBudgetError(
-                f"no plan proved to fit memory={format_bytes(budget_bytes)} in {max_trials} trials: "
-                + "; ".join(notes[-trials:]),
-                minimum_bytes=result.minimum.peak_bytes,
-                parts=dict(result.minimum.parts),
-            )
+        _refuse_after_max_trials(chosen, result, trials, max_trials, budget_bytes, notes)
         trials += 1
+        tried.add(_key(chosen))
         what = (
             f"micro-batch {chosen.micro_batch_size} x {chosen.steps} "
             f"with {summarize_policies(chosen.block_policies)}"
@@ -441,6 +556,7 @@ def plan(
             failed = chosen.peak_bytes - correction_bytes
             floor = result.minimum.peak_bytes - correction_bytes
             oom_limit_bytes = min(oom_limit_bytes, failed - max(1, (failed - floor) // 2))
+            out_of_memory = True
             notes.append(f"trial {trials}: {what} ran out of memory; re-planned below it")
         elif measured.peak_bytes > model_budget_bytes:
             error_bytes = measured.peak_bytes - chosen.peak_bytes
@@ -474,7 +590,7 @@ def plan(
         world_size=world_size,
         micro_batch_size=chosen.micro_batch_size,
         steps=chosen.steps,
-        micro_batch_sizes=chosen.micro_batch_sizes,
+        micro_batch_sizes=tuple(chosen.micro_batch_sizes),
         block_policies=chosen.block_policies,
         budget_bytes=budget_bytes,
         predicted_peak_bytes=chosen.peak_bytes + reserve.total_bytes,

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import distributed
 from ..auto_blocks import describe_blocks
 from ..checkpoint import POLICIES, BlockSpec, checkpoint, find_blocks
 from ..errors import CheckpointError, ConfigError, InfeasibleBudgetError
@@ -47,6 +48,7 @@ def default_policies(device: torch.device) -> tuple[str, ...]:
     return (NONE, "full", "selective", *(("offload",) if device.type != "cpu" else ()))
 
 
+@distributed.single_process()
 def profile_workload(
     workload: Workload,
     *,
