@@ -83,11 +83,7 @@ def profile_workload(
         optimizer = workload.make_optimizer()
         step = measure_step(workload, optimizer, sizes[0], device, clock=read_clock)
         if step is None:
-            raise InfeasibleBudgetError(
-                f"workload {workload.name!r} runs out of memory on {device} in one training step at "
-                f"micro-batch {sizes[0]}, before any plan: the model and its optimizer state do not fit",
-                minimum_bytes=device_memory_bytes(device),
-            )
+            raise _no_room_for_one_step(workload, device, sizes[0])
         session = _Session(workload, found, optimizer, chosen, sizes, progress)
         session.clock = read_clock
         session.notes.extend(notes)
@@ -111,6 +107,14 @@ def profile_workload(
     )
     return assemble(
         workload, device, measured, notes=session.notes, seconds=time.perf_counter() - began, clock=clock
+    )
+
+
+def _no_room_for_one_step(workload: Workload, device: torch.device, size: int) -> InfeasibleBudgetError:
+    return InfeasibleBudgetError(
+        f"workload {workload.name!r} runs out of memory on {device} in one training step at "
+        f"micro-batch {size}, before any plan: the model and its optimizer state do not fit",
+        minimum_bytes=device_memory_bytes(device),
     )
 
 
