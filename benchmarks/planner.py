@@ -21,10 +21,15 @@ two model copies (A/A).
 
 Targets: plan never slower than the fastest baseline that fits (ratio <= 1.00 within noise); at
 mid budgets >= 1.15x faster than (b); feasible where (a) is not; measured peak <= budget at every
-point; planning (profile + solve + trial) under 60 s on 2 CPU cores.
+point; planning (profile + solve + trial) under 60 s on 2 CPU cores; the plan's predicted s/step
+within 15 % of its measured s/step at every budget.
+
+``--clock cpu`` times the profile and every window by the CPU time of the one torch thread
+(profile/clocks.py): on a machine other jobs share, wall-clock seconds hold their time slices too,
+which differ between the moment of the profile and that of each window.
 
     python benchmarks/planner.py [--model gpt-mini] [--batch 64] [--budgets 8] [--rounds 15]
-                                 [--threads N] [--quick] [--json] [--no-write]
+                                 [--threads N] [--clock wall|cpu] [--quick] [--json] [--no-write]
 """
 
 from __future__ import annotations
@@ -55,9 +60,9 @@ from microbatch.models.gpt import GPT
 from microbatch.models.workloads import gpt_workload
 from microbatch.planner import Plan, plan
 from microbatch.planner.plot import save_frontier_plot
-from microbatch.planner.search import Candidate, search
+from microbatch.planner.search import Candidate, Model, search
 from microbatch.planner.trial import run_trial
-from microbatch.profile import profile_workload
+from microbatch.profile import Profile, profile_workload
 from microbatch.workload import Workload
 
 HERE = Path(__file__).resolve().parent
@@ -132,17 +137,37 @@ class Runner:
             else torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         )
 
-    def window(self) -> float:
-        """Seconds for one optimizer step: N micro-batches (made beforehand) and the step."""
+    def window(self) -> tuple[float, float]:
+        """Wall and this thread's CPU seconds for one optimizer step: N micro-batches (made
+        beforehand) and the step."""
         batches = [self.workload.make_batch(size) for size in self.config.sizes]
         accumulator = mb.Accumulator(self.model, self.optimizer, steps=len(batches))
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.thread_time()
         for micro in accumulator.iterate(batches):
             loss, items = self.workload.loss(self.model, micro.batch)
             accumulator.backward(loss, items=items)
             if micro.is_last:
                 accumulator.step()
-        return time.perf_counter() - began
+        return time.perf_counter() - began, time.thread_time() - began_cpu
+
+
+class Extended:
+    """A plan's predicted s/step as mb.plan gives it: a micro-batch beyond the profiled sizes is
+    priced from a profile extended up to it (sizes 1, b / 2, b), as plan() does when it profiles
+    itself; here one profile serves every budget, so the extension is made here, once per size."""
+
+    def __init__(self, workload: Workload, profile: Profile, *, clock: str) -> None:
+        self.workload, self.profile, self.clock = workload, profile, clock
+        self.profiles: dict[int, Profile] = {}
+
+    def seconds(self, chosen: Plan) -> float:
+        size = chosen.micro_batch_sizes[0]
+        if size <= max(self.profile.micro_batch_sizes):
+            return chosen.predicted_seconds_per_step
+        if size not in self.profiles:
+            self.profiles[size] = profile_workload(self.workload, max_micro_batch_size=size, clock=self.clock)
+        model = Model(self.profiles[size])
+        return model.evaluate(list(chosen.micro_batch_sizes), dict(chosen.block_policies)).seconds_per_step
 
 
 def finder_sizes(batch: int) -> list[int]:
@@ -182,7 +207,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     workload = gpt_workload(args.model)
     batch = args.batch
     began = time.perf_counter()
-    profile = profile_workload(workload, max_micro_batch_size=min(batch, 16))
+    profile = profile_workload(workload, max_micro_batch_size=min(batch, 16), clock=args.clock)
     profile_seconds = time.perf_counter() - began
     blocks = [segment.name for segment in profile.blocks]
     minimum = search(profile, per_rank_batch=batch, capacity_bytes=math.inf).minimum.peak_bytes
@@ -192,6 +217,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     points: list[dict[str, Any]] = []
     plans: dict[int, Plan] = {}
+    extended = Extended(workload, profile, clock=args.clock)
     for budget in budgets:
         started = time.perf_counter()
         try:
@@ -206,7 +232,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "plan_solve_and_trial_seconds": time.perf_counter() - started,
             "plan_predicted_peak_bytes": chosen.predicted_peak_bytes,
             "plan_measured_peak_bytes": chosen.measured_peak_bytes,
-            "plan_predicted_seconds": chosen.predicted_seconds_per_step,
+            "plan_predicted_seconds": extended.seconds(chosen),
+            "plan_predicted_seconds_from_16": chosen.predicted_seconds_per_step,
             "plan_policies": chosen.policies,
         }
         for kind in ("a", "b", "c"):
@@ -225,12 +252,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     twins = {config: Config("A/A", config.sizes, config.policies) for config in plan_configs}
     timed = distinct + list(twins.values())
     seconds: dict[Config, list[float]] = {config: [] for config in timed}
+    wall: dict[Config, list[float]] = {config: [] for config in timed}
     runners = {config: Runner(workload, config, blocks) for config in timed}
     for runner in runners.values():  # warm-up: optimizer state, a checkpoint's first (learning) call
         runner.window()
     for _ in range(args.rounds):
         for config, runner in runners.items():
-            seconds[config].append(runner.window())
+            wall_seconds, cpu_seconds = runner.window()
+            seconds[config].append(cpu_seconds if args.clock == "cpu" else wall_seconds)
+            wall[config].append(wall_seconds)
     # Other jobs on a shared machine only ever add time: the fastest window is the configuration's
     # cost; medians are in the JSON.
     fastest = {config: min(values) for config, values in seconds.items()}
@@ -256,6 +286,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         row["plan_micro_batch"] = own.label
         row["plan_seconds"] = fastest[own]
         row["plan_median_seconds"] = median[own]
+        row["plan_wall_seconds"] = min(wall[own])
+        # The time model's error: predicted over measured seconds per step, in the profile's clock.
+        row["predicted_over_measured"] = point["plan_predicted_seconds"] / fastest[own]
         for kind in ("a", "b", "c"):
             config = point[kind]
             row[f"{kind}_micro_batch"] = config.label if config else None
@@ -280,6 +313,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "noise_configuration": noisiest.label if noisiest is not None else None,
         "noise_pairs": len(disagreement),
         "rounds": args.rounds,
+        "clock": args.clock,
         "no_checkpoint_peak_bytes": top,
         "plot_plan": plot_plan,
         "plot_baselines": _baselines_for_plot(rows, plot_plan),
@@ -312,7 +346,7 @@ def markdown(report: dict[str, Any], command: str, load: str) -> str:
     table = []
     for row in rows:
         if "plan_error" in row:
-            table.append([format_bytes(row["budget_bytes"]), "no plan", "", "", "", "", "", "", ""])
+            table.append([format_bytes(row["budget_bytes"]), "no plan", "", "", "", "", "", "", "", ""])
             continue
         policies = ", ".join(
             f"{p} x{list(row['plan_policies'].values()).count(p)}"
@@ -326,6 +360,8 @@ def markdown(report: dict[str, Any], command: str, load: str) -> str:
                 + " / "
                 + format_bytes(row["plan_measured_peak_bytes"]),
                 _cell(row["plan_seconds"]),
+                f"{_cell(row['plan_predicted_seconds'])} / {_cell(row['plan_seconds'])} "
+                f"(**{row['predicted_over_measured']:.2f}**)",
                 *(
                     f"{row[f'{k}_micro_batch']}: {_cell(row[f'{k}_seconds'])}"
                     if row[f"{k}_seconds"]
@@ -341,6 +377,7 @@ def markdown(report: dict[str, Any], command: str, load: str) -> str:
         "plan: micro x steps (policies)",
         "plan peak predicted / measured",
         "plan s/step",
+        "plan s/step predicted / measured (ratio)",
         "(a) none, x0.9 finder",
         "(b) all full, x0.9 finder",
         "(c) checkpoint_sequential",
@@ -352,6 +389,14 @@ def markdown(report: dict[str, Any], command: str, load: str) -> str:
     a_fails = sum(r["a_seconds"] is None for r in fitted)
     noise = report["noise"] or 0.0
     worst = max((r["ratio_to_best_baseline"] or 0.0 for r in fitted), default=0.0)
+    model_errors = [r["predicted_over_measured"] for r in fitted]
+    within_15 = sum(abs(ratio - 1) <= 0.15 for ratio in model_errors)
+    clock = (
+        "CPU time of the one torch thread (profile and windows alike: other jobs' time slices on the "
+        "shared machine do not count; the wall-clock times are in the JSON)"
+        if report["clock"] == "cpu"
+        else "wall-clock time"
+    )
     over = sum((r["ratio_to_best_baseline"] or 0.0) > 1 + noise for r in fitted)
     middle = fitted[len(fitted) // 4 : max(len(fitted) // 4 + 1, 3 * len(fitted) // 4)]
     mid_speedups = [r["speedup_over_b"] for r in middle if r["speedup_over_b"]]
@@ -373,14 +418,19 @@ def markdown(report: dict[str, Any], command: str, load: str) -> str:
         f"{noise:.1%}: the largest disagreement of a plan configuration with itself on a second "
         f"model copy ({report['noise_pairs']} A/A pairs; worst at {report['noise_configuration']}). "
         f"Rows over 1.00 + noise: {over}.",
+        f"- Time model: predicted / measured s/step of the plan from {min(model_errors, default=0):.2f} "
+        f"to {max(model_errors, default=0):.2f}; within 15 % at **{within_15} of {len(fitted)}** budgets. "
+        f"Seconds are {clock}. A plan of micro-batches beyond the profiled 16 is priced from a profile "
+        "extended up to them, as `mb.plan` does when it profiles itself (`plan_predicted_seconds_from_16` "
+        "in the JSON: from the sweep's one profile).",
         f"- (b) / plan at mid budgets: {', '.join(f'{s:.2f}x' for s in mid_speedups) or 'n/a'}.",
         f"- Budgets where (a) no-checkpoint does not fit at any micro-batch and the plan does: {a_fails}.",
         f"- Planning from scratch (profile + solve + trial): **{report['planning_seconds']:.1f} s**; "
         f"the profile alone {report['profile_seconds']:.1f} s.",
         "",
         "Frontier at the mid budget (predicted peaks and times), with the plan and the baselines as "
-        "measured at that budget (the profile's a + k * b time fit, taken at micro-batches 1, 8 and 16, "
-        "over-predicts larger micro-batches on this CPU): ![frontier](frontier.png)",
+        "measured at that budget (the profile's times run through its micro-batches 1, 8 and 16 and beyond "
+        "them along the least-squares slope): ![frontier](frontier.png)",
         "",
         f"Measured on: {results.environment_line()}; torch threads {torch.get_num_threads()}; "
         f"load average {load} (the machine is shared).",
@@ -400,6 +450,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="time profile and windows by wall clock, or by the CPU time of one torch thread "
+        "(a shared machine; implies --threads 1)",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="a smoke run: small batch, few budgets and rounds"
     )
     parser.add_argument("--json", action="store_true", help="print JSON (title, markdown, numbers)")
@@ -409,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.batch, args.budgets, args.rounds = min(args.batch, 16), min(args.budgets, 3), min(args.rounds, 1)
+    if args.clock == "cpu":
+        args.threads = 1
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)

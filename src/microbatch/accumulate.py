@@ -34,7 +34,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -44,114 +43,24 @@ from . import distributed
 from .batching import batch_size_of
 from .batchnorm import batchnorm_layers, corrected_momentum
 from .errors import ConfigError, UsageError
-from .feed import Feed
+from .micro import (
+    Micro,
+    WindowStats,
+    check_loss,
+    learning_rate,
+    tensor_item_flags,
+    validate_items,
+    validate_steps_value,
+)
 from .precision import WideGradients
+from .window_iteration import iterate_windows
+from .window_step import optimizer_step, read_window, scale_gradients
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["Accumulator", "Micro", "StepsSchedule", "WindowStats"]
+
 StepsSchedule = int | Sequence[int] | Callable[[int], int]
-
-
-@dataclass(frozen=True)
-class Micro:
-    """One micro-batch handed out by ``Accumulator.iterate``.
-
-    ``index`` counts micro-batches within the window (from 0), ``steps`` is the window's planned
-    length, and ``is_last`` is True for the window's last micro-batch, also when the data ends early.
-    ``is_padding`` is True only in data-parallel runs, on a rank whose data ran out before the
-    others': ``batch`` repeats its last micro-batch, and backward() gives it weight 0 (run forward
-    and backward as usual, so the ranks' collectives stay matched; skip it in your own metrics).
-    """
-
-    batch: Any
-    index: int
-    window: int
-    steps: int
-    is_last: bool
-    is_padding: bool = False
-
-    @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-
-@dataclass(frozen=True)
-class WindowStats:
-    """What one optimizer step saw.
-
-    loss: the item-weighted mean loss of the window (the full batch's loss), over all ranks.
-    items: the window's item count over all ranks. grad_norm: the total gradient norm before
-    clipping. lr: the learning rate the step used (first parameter group; None when the optimizer
-    has no 'lr', as transformers' Adafactor with lr=None). skipped: True when a
-    non-finite gradient made the step be skipped (parameters, scheduler untouched).
-    """
-
-    loss: float
-    items: int
-    grad_norm: float
-    lr: float | None
-    skipped: bool
-    window: int
-    micro_batches: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def __str__(self) -> str:
-        flag = " (skipped: non-finite gradient)" if self.skipped else ""
-        lr = "none" if self.lr is None else f"{self.lr:.4g}"
-        return (
-            f"window {self.window}: loss {self.loss:.6g} over {self.items} items in {self.micro_batches} "
-            f"micro-batches, grad norm {self.grad_norm:.4g}, lr {lr}{flag}"
-        )
-
-
-def _validate_steps_value(value: object, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(
-            f"{where} must be an integer >= 1 (micro-batches per optimizer step), got {value!r}"
-        )
-    if value < 1:
-        raise ConfigError(f"{where} must be >= 1 (micro-batches per optimizer step), got {value}")
-    return value
-
-
-def _validate_items(items: object) -> float | torch.Tensor:
-    """A number checked now, or a one-element tensor kept on its device (its value is checked once
-    per window, in step(), so that no micro-batch waits for the device: see _note_tensor_items)."""
-    if isinstance(items, bool):
-        raise ConfigError(f"items must be a positive count of samples or tokens, got {items!r}")
-    if isinstance(items, torch.Tensor):
-        if items.numel() != 1:
-            raise ConfigError(f"items must be a single count, got a tensor of shape {tuple(items.shape)}")
-        if items.requires_grad:
-            items = items.detach()
-        return items.reshape(())
-    if isinstance(items, (int, float)):
-        value = float(items)
-    else:
-        raise ConfigError(f"items must be an int or a one-element tensor, got {type(items).__name__}")
-    if not math.isfinite(value):
-        raise ConfigError(f"items must be finite, got {value}")
-    if value <= 0:
-        raise ConfigError(
-            f"items must be > 0, got {value:g}: a micro-batch with no items (all padding) has no loss; "
-            "skip it in the data, or pass its loss summed with items=1"
-        )
-    if value != int(value):
-        raise ConfigError(f"items counts samples or tokens and must be a whole number, got {value}")
-    return value
-
-
-def _learning_rate(optimizer: torch.optim.Optimizer) -> float | None:
-    """The first parameter group's 'lr' as a float; None when there is none (it is optional)."""
-    lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
-    if lr is None:
-        return None
-    try:
-        return float(lr)
-    except (TypeError, ValueError):
-        return None
 
 
 class Accumulator:
@@ -176,7 +85,7 @@ class Accumulator:
     _loss_sum: torch.Tensor | float
     _micro_batches: int
     _reference_items: float | torch.Tensor
-    _item_flags: torch.Tensor | None  # see _note_tensor_items
+    _item_flags: torch.Tensor | None  # see micro.tensor_item_flags
     _awaiting_step: bool
     _current: Micro | None
 
@@ -193,24 +102,7 @@ class Accumulator:
         correct_batchnorm_momentum: bool = False,
         accumulate_dtype: torch.dtype | None = None,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if isinstance(steps, (int, bool)):
-            _validate_steps_value(steps, "steps")
-        elif isinstance(steps, Sequence):
-            if len(steps) == 0:
-                raise ConfigError("steps as a sequence must have at least one entry")
-            for i, value in enumerate(steps):
-                _validate_steps_value(value, f"steps[{i}]")
-        elif not callable(steps):
-            raise ConfigError(
-                f"steps must be an int, a sequence of ints or a callable, got {type(steps).__name__}"
-            )
-        if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
-            raise ConfigError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm}")
-
+        _check_options(model, optimizer, steps, max_grad_norm)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -229,27 +121,9 @@ class Accumulator:
                 distributed.world_size(),
             )
 
-        model_params = list(model.parameters())
-        known = {id(p) for p in model_params}
-        foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in known]
-        if foreign:
-            logger.warning(
-                "the optimizer holds %d parameter(s) that are not in the model; they are stepped but "
-                "their gradients are not produced by this model (check that model and optimizer match)",
-                len(foreign),
-            )
         # Every parameter whose gradient this accumulator clears at step(); it normalises and clips
         # exactly the optimizer's parameters: those are the ones GradScaler unscales.
-        self._params: list[nn.Parameter] = model_params + foreign
-        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        unstepped = [p for p in model_params if p.requires_grad and id(p) not in stepped]
-        if unstepped:
-            logger.warning(
-                "%d model parameter(s) require grad but are not in the optimizer: their gradients are "
-                "computed and discarded at each step(), and left out of normalising and clipping "
-                "(freeze them with requires_grad_(False), or add them to the optimizer)",
-                len(unstepped),
-            )
+        self._params = _parameters(model, optimizer)
         if accumulate_dtype is not None and self._data_parallel is not None:
             raise ConfigError(
                 "accumulate_dtype with DDP / FSDP is not supported: their gradient hooks read .grad, which "
@@ -277,7 +151,7 @@ class Accumulator:
             return self._steps
         if isinstance(self._steps, Sequence):
             return self._steps[min(window, len(self._steps) - 1)]
-        return _validate_steps_value(self._steps(window), f"steps({window})")
+        return validate_steps_value(self._steps(window), f"steps({window})")
 
     # ----------------------------------------------------------------- iteration
     def iterate(self, loader: Iterable[Any]) -> Iterator[Micro]:
@@ -296,85 +170,7 @@ class Accumulator:
         If the loader raises, the window in progress stays open: ``discard_window()`` drops it.
         """
         self._require_window_boundary("iterate()")
-        world = distributed.world_size()
-        agree = self._data_parallel is not None and world > 1
-        feed = Feed(loader)
-        has_data = feed.has_more()
-        if agree:
-            (ranks_with_data,) = distributed.all_reduce_values([float(has_data)])
-            if ranks_with_data < world:  # raised on every rank, so none waits for the others
-                raise ConfigError(
-                    f"the loader given to iterate() is empty on {world - round(ranks_with_data)} of "
-                    f"{world} rank(s): every rank needs at least one micro-batch"
-                )
-        elif not has_data:
-            raise ConfigError("the loader given to iterate() is empty: it produced no micro-batches")
-        last_batch: Any = None
-        exhausted = False  # this rank's data ran out (data-parallel: it pads until the others end)
-        warned = False
-        more = True
-        while more:
-            window = self.window
-            steps = self.steps_for(window)
-            self._prepare_batchnorm(steps)
-            for index in range(steps):
-                padding = exhausted
-                batch = last_batch if padding else feed.take()
-                last_batch = batch if agree else None  # kept only to pad with
-                at_window_end = index == steps - 1
-                if padding:
-                    has_more = False
-                elif at_window_end and not agree:
-                    has_more = True  # decided after the window's step(), without fetching ahead
-                else:
-                    has_more = feed.has_more()
-                exhausted = not has_more
-                ranks_with_more = float(has_more)
-                if agree and not at_window_end:  # at the window's end step() carries the count
-                    (ranks_with_more,) = distributed.all_reduce_values([ranks_with_more])
-                is_last = at_window_end or ranks_with_more == 0
-                micro = Micro(
-                    batch=batch, index=index, window=window, steps=steps, is_last=is_last, is_padding=padding
-                )
-                del batch
-                self._current = micro
-                self._has_more_local = has_more
-                try:
-                    with distributed.ddp_sync(self.model, enabled=is_last or self.sync_every_micro_batch):
-                        yield micro
-                finally:
-                    self._current = None
-                del micro
-                if is_last:
-                    if agree and at_window_end and self.window != window:
-                        ranks_with_more = self._ranks_with_more
-                    elif at_window_end and not agree:
-                        ranks_with_more = float(feed.has_more())
-                    break
-                if not warned and agree and 0 < ranks_with_more < world:
-                    warned = True
-                    self._warn_uneven(ranks_with_more, world, window)
-            if self.window == window:
-                raise UsageError(
-                    f"window {window} ended (micro.is_last was True) but step() was not called; "
-                    "call acc.step() when micro.is_last"
-                )
-            more = ranks_with_more > 0
-            if not warned and agree and 0 < ranks_with_more < world:
-                warned = True
-                self._warn_uneven(ranks_with_more, world, window)
-
-    def _warn_uneven(self, ranks_with_more: float, world: int, window: int) -> None:
-        distributed.log_rank_zero(
-            logger,
-            logging.WARNING,
-            "the data ran out on %d of %d ranks in window %d: they repeat their last micro-batch with "
-            "weight 0 (Micro.is_padding) until the other ranks finish, so the gradient stays exact; "
-            "shard the data evenly (DistributedSampler) to avoid this idle compute",
-            world - round(ranks_with_more),
-            world,
-            window,
-        )
+        yield from iterate_windows(self, loader)
 
     def _prepare_batchnorm(self, steps: int) -> None:
         if not self._batchnorm:
@@ -421,18 +217,7 @@ class Accumulator:
                 "backward() after the window's last micro-batch: call step() first "
                 f"(window {self.window} already has {self._micro_batches} micro-batches)"
             )
-        if not isinstance(loss, torch.Tensor):
-            raise ConfigError(f"loss must be a torch.Tensor, got {type(loss).__name__}")
-        if loss.numel() != 1:
-            raise ConfigError(
-                "loss must be a scalar (a mean over the micro-batch's items), got shape "
-                f"{tuple(loss.shape)}; reduce it with .mean() and pass items="
-            )
-        if not loss.requires_grad:
-            raise ConfigError(
-                "loss does not require grad: it was computed under torch.no_grad(), from a detached "
-                "tensor, or from a model whose parameters are all frozen"
-            )
+        check_loss(loss)
         padding = self._current is not None and self._current.is_padding
         if items is None:
             if self._current is None:
@@ -442,7 +227,7 @@ class Accumulator:
                 )
             items_value: float | torch.Tensor = float(batch_size_of(self._current.batch))
         else:
-            items_value = _validate_items(items)
+            items_value = validate_items(items)
 
         if padding:
             items_value = 0.0  # a repeated micro-batch that only keeps this rank in step
@@ -466,7 +251,7 @@ class Accumulator:
             # Summed on the loss's device, no host sync per micro-batch; float64 where the device has it.
             self._loss_sum = self._loss_sum + loss.detach().reshape(()).to(sum_dtype) * items_value
             if isinstance(items_value, torch.Tensor):
-                self._note_tensor_items(items_value, loss)
+                self._item_flags = tensor_item_flags(items_value, loss, self._item_flags)
         self._micro_batches += 1
         if self._current is not None:
             self._awaiting_step = self._current.is_last
@@ -485,41 +270,6 @@ class Accumulator:
         if isinstance(weight, torch.Tensor):
             weight = weight.to(loss.dtype)
         return items, weight
-
-    def _note_tensor_items(self, items: torch.Tensor, loss: torch.Tensor) -> None:
-        """Flag, on the device, a count that is negative, not finite or not whole (0), and an empty
-        micro-batch whose mean loss is not finite, 0/0 (1); step() reads the flags with the counts."""
-        bad = ~torch.isfinite(items) | (items < 0) | (items != torch.round(items))
-        empty = (items == 0) & ~torch.isfinite(loss.detach().reshape(()))
-        flags = torch.stack([bad, empty])
-        self._item_flags = flags if self._item_flags is None else self._item_flags | flags
-
-    def _read_window(self) -> tuple[float, float, float]:
-        """This rank's items, loss sum and R as numbers: one read from the device per window."""
-        values = [self._items, self._loss_sum, self._reference_items]
-        flags, self._item_flags = self._item_flags, None
-        on_device = [v for v in (*values, flags) if isinstance(v, torch.Tensor)]
-        if not on_device:
-            return float(values[0]), float(values[1]), float(values[2])
-        device = on_device[0].device
-        dtype = torch.float32 if device.type == "mps" else torch.float64
-        read = iter(
-            torch.cat([v.to(device=device, dtype=dtype).reshape(-1) for v in on_device]).cpu().tolist()
-        )
-        numbers = [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
-        bad, empty = (next(read), next(read)) if flags is not None else (0.0, 0.0)
-        if bad or empty:
-            self._discard_window()
-            raise ConfigError(
-                f"window {self.window}: "
-                + (
-                    "an items count was negative, not finite or not a whole number"
-                    if bad
-                    else "a micro-batch with items=0 had a non-finite loss (0/0: no predicted tokens)"
-                )
-                + "; the window's gradients are discarded. Drop such micro-batches from the data"
-            )
-        return numbers[0], numbers[1], numbers[2]
 
     def _discard_window(self) -> None:
         for p in self._params:
@@ -557,59 +307,18 @@ class Accumulator:
                 f"{self.steps_for(self.window)} done); call it when micro.is_last, or pass partial=True "
                 "to end the window early"
             )
-        items, loss_sum_local, reference = self._read_window()
-        local = [items, loss_sum_local, float(self._micro_batches), float(self._has_more_local)]
-        if self._data_parallel is not None:
-            # One all_reduce per window: global items T, loss sum, micro-batches, ranks with more data.
-            total_items, loss_sum, total_micro_batches, self._ranks_with_more = distributed.all_reduce_values(
-                local
-            )
-            averaged_over = distributed.world_size()  # DDP and FSDP2 divide the summed gradient by W
-        else:
-            total_items, loss_sum, total_micro_batches, self._ranks_with_more = local
-            averaged_over = 1
-        if total_items <= 0:
-            raise UsageError("step() on a window without items on any rank: there is no gradient to apply")
-
+        items, loss_sum_local, reference = read_window(self)
+        total_items, loss_sum, total_micro_batches, averaged_over = self._agree_on_totals(
+            items, loss_sum_local
+        )
         # Transactional: everything that can fail is read first; the gradients change only right
         # before the optimizer step, and are changed back if it raises (a retry is then exact).
-        lr = _learning_rate(self.optimizer)
-        factor = reference * averaged_over / total_items
-        widened = self._wide.restore_(factor) if self._wide is not None else set()  # scaled in the wide dtype
-        stepped = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # the optimizer's gradients only, at most once a window
-        grads = [p.grad for p in stepped if id(p) not in widened]
-        wide = [p for p in stepped if id(p) in widened]
-        # Normalising multiplies the other gradients by factor (the wide ones are already), so the
-        # total norm is sqrt((factor * |others|)^2 + |wide|^2).
-        grad_norm = math.hypot(factor * self._total_norm(grads), self._total_norm([p.grad for p in wide]))
-        skipped = not math.isfinite(grad_norm)
-        clip = 1.0
-        if self.max_grad_norm is not None and not skipped:
-            # torch.nn.utils.clip_grad_norm_'s coefficient, applied in the same multiply.
-            clip = min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
-        multiplier = factor * clip
-        if grads and multiplier != 1.0:
-            torch._foreach_mul_(grads, multiplier)
-        wide_grads = [p.grad for p in wide if p.grad is not None]
-        if wide_grads and clip != 1.0:
-            torch._foreach_mul_(wide_grads, clip)
-        try:
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)  # skips by itself when unscale_ found inf/nan
-            elif not skipped:
-                self.optimizer.step()
-            else:
-                logger.warning(
-                    "window %d: non-finite gradient norm (%s); optimizer step skipped", self.window, grad_norm
-                )
-        except BaseException:
-            self._restore_grads(grads, multiplier, wide, clip, factor)
-            raise
+        lr = learning_rate(self.optimizer)
+        scaled = scale_gradients(self, reference * averaged_over / total_items)
+        optimizer_step(self, scaled)
         if self.scaler is not None:
             self.scaler.update()
-        if not skipped and self.scheduler is not None:
+        if not scaled.skipped and self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         for p in self._params:
@@ -618,9 +327,9 @@ class Accumulator:
         stats = WindowStats(
             loss=loss_sum / total_items,
             items=round(total_items),
-            grad_norm=grad_norm,
+            grad_norm=scaled.grad_norm,
             lr=lr,
-            skipped=skipped,
+            skipped=scaled.skipped,
             window=self.window,
             micro_batches=self._micro_batches,
         )
@@ -631,46 +340,18 @@ class Accumulator:
         self._set_batchnorm_momentum(self.window)
         return stats
 
-    @staticmethod
-    def _total_norm(grads: list[torch.Tensor]) -> float:
-        if not grads:
-            return 0.0
-        norm = nn.utils.get_total_norm(grads, foreach=True)
-        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor norm
-            norm = norm.full_tensor()
-        return float(norm)
-
-    def _restore_grads(
-        self,
-        grads: list[torch.Tensor],
-        multiplier: float,
-        wide: list[nn.Parameter],
-        clip: float,
-        factor: float,
-    ) -> None:
-        """Undo step()'s changes after the optimizer raised: the window's gradients as before step()."""
-        if grads and multiplier != 1.0:
-            torch._foreach_div_(grads, multiplier)  # within one rounding of the gradients before
-        wide_grads = [p.grad for p in wide if p.grad is not None]
-        if wide_grads and clip != 1.0:
-            torch._foreach_div_(wide_grads, clip)
-        if self.scaler is not None:
-            scale = self.scaler.get_scale()
-            everything = grads + wide_grads
-            if everything and scale != 1.0:
-                torch._foreach_mul_(everything, scale)  # a power of two: exactly undoes unscale_
-            # Forget that unscale_ ran for this optimizer, so a retried step() may call it again.
-            self.scaler._per_optimizer_states.pop(id(self.optimizer), None)
-        if self._wide is not None:
-            for p in wide:  # back into the wide sums, unnormalised, as before restore_()
-                if p.grad is not None:
-                    self._wide.sums[id(p)] = p.grad.to(self._wide.dtype) / factor
-                p.grad = None
-        logger.warning(
-            "window %d: the optimizer step raised; the window's gradients are restored, so step() can "
-            "be retried or the window dropped with discard_window()",
-            self.window,
-        )
+    def _agree_on_totals(self, items: float, loss_sum: float) -> tuple[float, float, float, int]:
+        """(T, loss sum, micro-batches) over all ranks, and W_avg; sets how many ranks have more data."""
+        local = [items, loss_sum, float(self._micro_batches), float(self._has_more_local)]
+        averaged_over = 1
+        if self._data_parallel is not None:
+            # One all_reduce per window: global items T, loss sum, micro-batches, ranks with more data.
+            local = distributed.all_reduce_values(local)
+            averaged_over = distributed.world_size()  # DDP and FSDP2 divide the summed gradient by W
+        total_items, total_loss, total_micro_batches, self._ranks_with_more = local
+        if total_items <= 0:
+            raise UsageError("step() on a window without items on any rank: there is no gradient to apply")
+        return total_items, total_loss, total_micro_batches, averaged_over
 
     def discard_window(self) -> None:
         """Drop the window in progress: its gradients and counts; the window index stays.
@@ -720,3 +401,48 @@ class Accumulator:
         self.window = int(state["window"])
         self._items_per_micro = state.get("items_per_micro")
         self._set_batchnorm_momentum(self.window)
+
+
+def _check_options(
+    model: nn.Module, optimizer: torch.optim.Optimizer, steps: StepsSchedule, max_grad_norm: float | None
+) -> None:
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(steps, (int, bool)):
+        validate_steps_value(steps, "steps")
+    elif isinstance(steps, Sequence):
+        if len(steps) == 0:
+            raise ConfigError("steps as a sequence must have at least one entry")
+        for i, value in enumerate(steps):
+            validate_steps_value(value, f"steps[{i}]")
+    elif not callable(steps):
+        raise ConfigError(
+            f"steps must be an int, a sequence of ints or a callable, got {type(steps).__name__}"
+        )
+    if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+        raise ConfigError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm}")
+
+
+def _parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """The model's parameters and then the optimizer's others, warning about mismatches."""
+    model_params = list(model.parameters())
+    known = {id(p) for p in model_params}
+    foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in known]
+    if foreign:
+        logger.warning(
+            "the optimizer holds %d parameter(s) that are not in the model; they are stepped but "
+            "their gradients are not produced by this model (check that model and optimizer match)",
+            len(foreign),
+        )
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    unstepped = [p for p in model_params if p.requires_grad and id(p) not in stepped]
+    if unstepped:
+        logger.warning(
+            "%d model parameter(s) require grad but are not in the optimizer: their gradients are "
+            "computed and discarded at each step(), and left out of normalising and clipping "
+            "(freeze them with requires_grad_(False), or add them to the optimizer)",
+            len(unstepped),
+        )
+    return model_params + foreign

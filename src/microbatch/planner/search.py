@@ -20,7 +20,8 @@ For a fixed b the choice is the fastest point of the steady chain's frontier (so
 whose two-phase peak fits: exact when the steady phase bounds the first, as without selective
 checkpointing. Only the smallest b for each N is searched: with time linear in b, N
 micro-batches cost N * a + k * B_rank whatever their split, and the smallest b needs the least
-memory; every other b is dominated.
+memory; every other b is dominated (the profile's times run through its measurements, Fit.line_beyond:
+linear between them, so nearly so).
 
 The search is bounded. Up to EXACT_SEARCH_BATCH samples per rank every such b is tried (about
 2 sqrt(B_rank) of them). Above, b runs over every value up to SMALL_SIZES and a geometric grid

@@ -10,8 +10,8 @@ and loss). For each segment and policy:
                     saved (each storage once), what a checkpoint holds, the output
     peak_bytes      the most live bytes while the segment runs forward or backward, minus the live
                     bytes at its forward start (a recomputed block's activations live again here)
-    forward_seconds, backward_seconds   medians over timed rounds; a checkpointed block's backward
-                    includes its recompute
+    forward_seconds, backward_seconds   from the fastest timed round (assemble.fastest_runs); a
+                    checkpointed block's backward includes its recompute
     boundary_bytes  the block's input
 
 Live bytes are read from a MemoryTracker at the hooks: the same counting as the planner's trial,
@@ -22,8 +22,9 @@ learns what to skip in its first recompute). Times are taken in rounds that visi
 (policy, size) in turn, so a slow moment of a shared machine hits all of them alike.
 
 Fits over the sizes (``Fit``): bytes are interpolated piecewise linearly (a convex maximum over
-moments of lines in b, which chords over-estimate), times by least squares a + k * b with a, k >=
-0. A fit whose line misses a measurement by more than 10 % is reported as not linear.
+moments of lines in b, which chords over-estimate), times through the measurements and beyond
+them along the least-squares slope k >= 0 of a + k * b (Fit.line_beyond). A fit whose line misses
+a measurement by more than 10 % is reported as not linear.
 
 Static memory comes from the real optimizer after a real step: parameters, gradients and the
 optimizer's state (MemoryTracker's breakdown). Parameters, gradients, buffers, modes and the RNG

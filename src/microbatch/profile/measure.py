@@ -23,6 +23,7 @@ from ..oom import attempt
 from ..workload import Workload
 from . import stash
 from .assemble import Measurements, assemble, gradient_bytes_by_segment
+from .clocks import WALL, clock_for
 from .costs import NONE, Profile
 from .runs import measure_step, micro_batch_run, preserved_state
 from .timeline import Run
@@ -58,6 +59,7 @@ def profile_workload(
     repeats: int = 3,
     warmup: int = 0,
     progress: ProgressFn | None = None,
+    clock: str = WALL,
 ) -> Profile:
     """Measure ``workload`` for the planner (see the package docstring).
 
@@ -66,10 +68,12 @@ def profile_workload(
     steady state after it. Then ``warmup`` untimed and ``repeats`` timed rounds run every
     (policy, size) once each, in turn, so that a slow moment of a shared machine hits every policy
     alike. Sizes that run out of memory are dropped. The batches come from the workload's
-    make_batch; the model is left as it was.
+    make_batch; the model is left as it was. ``clock``: "wall" or "cpu", what the times are read
+    from (clocks.py; "cpu" on a shared CPU machine with one torch thread).
     """
     began = time.perf_counter()
     model, device = workload.model, workload.device
+    read_clock = clock_for(clock, device)
     sizes = _checked_sizes(micro_batch_sizes, max_micro_batch_size, repeats=repeats, warmup=warmup)
     found, chosen, notes = _blocks_and_policies(model, blocks, policies, device)
     with preserved_state(model, optimizer=stash.optimizer_instance(workload)):
@@ -77,14 +81,11 @@ def profile_workload(
         for parameter in model.parameters():
             parameter.grad = None
         optimizer = workload.make_optimizer()
-        step = measure_step(workload, optimizer, sizes[0], device)
+        step = measure_step(workload, optimizer, sizes[0], device, clock=read_clock)
         if step is None:
-            raise InfeasibleBudgetError(
-                f"workload {workload.name!r} runs out of memory on {device} in one training step at "
-                f"micro-batch {sizes[0]}, before any plan: the model and its optimizer state do not fit",
-                minimum_bytes=device_memory_bytes(device),
-            )
+            raise _no_room_for_one_step(workload, device, sizes[0])
         session = _Session(workload, found, optimizer, chosen, sizes, progress)
+        session.clock = read_clock
         session.notes.extend(notes)
         session.total_runs = _run_count(len(sizes), len(chosen), rounds=warmup + repeats)
         session.measure_memory()
@@ -104,7 +105,17 @@ def profile_workload(
         step_seconds=step_seconds,
         gradient_bytes=gradient_bytes_by_segment(model, found),
     )
-    return assemble(workload, device, measured, notes=session.notes, seconds=time.perf_counter() - began)
+    return assemble(
+        workload, device, measured, notes=session.notes, seconds=time.perf_counter() - began, clock=clock
+    )
+
+
+def _no_room_for_one_step(workload: Workload, device: torch.device, size: int) -> InfeasibleBudgetError:
+    return InfeasibleBudgetError(
+        f"workload {workload.name!r} runs out of memory on {device} in one training step at "
+        f"micro-batch {size}, before any plan: the model and its optimizer state do not fit",
+        minimum_bytes=device_memory_bytes(device),
+    )
 
 
 def _checked_sizes(
@@ -168,6 +179,7 @@ class _Session:
         self.timed_runs: dict[tuple[str, int], list[Run]] = {}
         self.notes: list[str] = []
         self.total_runs = self.done_runs = 0
+        self.clock: Callable[[], float] = time.perf_counter
 
     def measure_memory(self) -> None:
         """Tracked runs: under a fresh checkpoint per size, its first call, then the steady state."""
@@ -211,7 +223,13 @@ class _Session:
         device = self.workload.device
         run = attempt(
             lambda: micro_batch_run(
-                self.workload, self.blocks, size, device, track=track, optimizer=self.optimizer
+                self.workload,
+                self.blocks,
+                size,
+                device,
+                track=track,
+                optimizer=self.optimizer,
+                clock=self.clock,
             ),
             device,
         )

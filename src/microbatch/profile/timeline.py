@@ -71,10 +71,16 @@ class Recorder:
     """
 
     def __init__(
-        self, blocks: Sequence[tuple[str, nn.Module]], *, tracker: MemoryTracker | None, device: torch.device
+        self,
+        blocks: Sequence[tuple[str, nn.Module]],
+        *,
+        tracker: MemoryTracker | None,
+        device: torch.device,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.tracker = tracker
         self.device = device
+        self.read_seconds = clock
         self.events: dict[str, _Event] = {}
         self.order: list[str] = []  # blocks in the order their forwards ran
         self.boundary_bytes: dict[str, int] = {}
@@ -93,7 +99,7 @@ class Recorder:
     def mark(self, label: str) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter()
+        seconds = self.read_seconds()
         live = peak = 0
         if self.tracker is not None:
             live, peak = self.tracker.current_bytes, self.tracker.peak_bytes
@@ -176,7 +182,7 @@ class Run:
     segments: dict[str, SegmentRun]
     start_bytes: int  # live at the forward's start
     peak_bytes: int  # the most live bytes over the whole forward and backward
-    seconds: float  # the whole micro-batch: making the batch, forward, backward
+    seconds: float  # the whole micro-batch, from its batch in hand: forward, backward
     in_order: bool  # backward events came in reverse forward order
     order: tuple[str, ...]  # blocks in the order their forwards ran
     boundary_bytes: dict[str, int]  # each block's input
