@@ -215,13 +215,24 @@ def restore(session: Session, state: dict[str, Any]) -> None:
 def save(session: Session) -> None:
     """Write the checkpoint (rank 0; a collective under torchrun). A full disk is a TrainingError."""
     state = checkpoint_state(session)  # a collective under torchrun: every rank takes part
-    if not distributed.is_rank_zero():
-        return
+    failure: OSError | None = None
     path = os.path.join(session.run_dir, CHECKPOINT_FILE)
-    try:
-        atomic_write(path, lambda file: torch.save(state, file))
-    except OSError as error:
-        raise storage_error(path, session.step, error) from error
+    if distributed.is_rank_zero():
+        try:
+            atomic_write(path, lambda file: torch.save(state, file))
+        except OSError as error:
+            failure = error
+    # Every rank waits for rank 0's write. A rank that returned at once could exit on a stop signal
+    # while rank 0 is still writing; torchrun then sends rank 0 SIGTERM mid-write and the new
+    # checkpoint is lost. The same all_reduce tells every rank whether the write failed.
+    (failed_ranks,) = distributed.all_reduce_values([1.0 if failure is not None else 0.0])
+    if failure is not None:
+        raise storage_error(path, session.step, failure) from failure
+    if failed_ranks:
+        raise TrainingError(
+            f"rank 0 could not write the checkpoint at step {session.step} (its error says why); "
+            "this rank stops with it"
+        )
 
 
 def storage_error(path: str, step: int, error: OSError) -> TrainingError:
