@@ -25,3 +25,13 @@ def _restore_package_logger() -> Iterator[None]:
     package_logger.handlers[:] = handlers
     package_logger.setLevel(level)
     package_logger.propagate = propagate
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    # The command-line tests' models are tiny: one thread is faster than two, and far faster on a
+    # busy machine. (The package logger that cli.main configures is restored by the fixture above.)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,18 +15,7 @@ from microbatch.errors import ConfigError
 from microbatch.models.workloads import gpt_workload
 from microbatch.planner.plan import SHOWN_FRONTIER_ROWS
 
-
-@pytest.fixture(autouse=True)
-def _one_thread_and_logging() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    package_logger = logging.getLogger("microbatch")
-    handlers, level, propagate = list(package_logger.handlers), package_logger.level, package_logger.propagate
-    yield
-    torch.set_num_threads(threads)
-    package_logger.handlers[:] = handlers
-    package_logger.setLevel(level)
-    package_logger.propagate = propagate
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ first step's loss agrees to rtol 1e-5 and the weights after three AdamW steps to
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +21,7 @@ from microbatch.training.tokens import parse_max_tokens, resolve_max_tokens
 NANO = ("--model", "gpt-nano", "--batch", "8", "--micro-batch", "2", "--no-progress")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_and_logging() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    package_logger = logging.getLogger("microbatch")
-    handlers, level, propagate = list(package_logger.handlers), package_logger.level, package_logger.propagate
-    yield
-    torch.set_num_threads(threads)
-    package_logger.handlers[:] = handlers
-    package_logger.setLevel(level)
-    package_logger.propagate = propagate
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def train(out: Path, *extra: str) -> list[dict[str, Any]]:

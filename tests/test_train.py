@@ -5,14 +5,12 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,19 +39,7 @@ SMALL_MEMORY = "2MiB"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(autouse=True)
-def _restore_threads_and_logging() -> Iterator[None]:
-    # cli.main configures the package logger: put it back after each test.
-    # The models here are tiny: one thread is faster than two, and far faster on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    package_logger = logging.getLogger("microbatch")
-    handlers, level, propagate = list(package_logger.handlers), package_logger.level, package_logger.propagate
-    yield
-    torch.set_num_threads(threads)
-    package_logger.handlers[:] = handlers
-    package_logger.setLevel(level)
-    package_logger.propagate = propagate
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def run_train(*args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

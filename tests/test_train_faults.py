@@ -34,17 +34,7 @@ NANO = ("--model", "gpt-nano", "--batch", "8", "--micro-batch", "2", "--no-progr
 BASE = TrainConfig(model="gpt-nano", batch=8, micro_batch=2, eval_interval=100)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_and_logging() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    package_logger = logging.getLogger("microbatch")
-    handlers, level, propagate = list(package_logger.handlers), package_logger.level, package_logger.propagate
-    yield
-    torch.set_num_threads(threads)
-    package_logger.handlers[:] = handlers
-    package_logger.setLevel(level)
-    package_logger.propagate = propagate
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def run_train(*args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

@@ -16,6 +16,7 @@ from ..checkpoint import checkpoint
 from ..memory import MemoryTracker
 from ..oom import free_memory
 from ..profile import NONE, preserved_state
+from ..profile.runs import train_window
 from ..profile.stash import optimizer_instance
 from ..workload import Workload
 from .search import Candidate
@@ -55,12 +56,7 @@ def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
             accumulator = Accumulator(model, optimizer, steps=len(batches))
             accumulator._warned_batchnorm = True  # the trial's cut window; the plan's note covers BatchNorm
             with MemoryTracker(device, model=model, optimizer=optimizer) as tracker:
-                for micro in accumulator.iterate(loader()):
-                    loss, items = workload.loss(model, micro.batch)
-                    accumulator.backward(loss, items=items)
-                    del loss
-                    if micro.is_last:
-                        accumulator.step()
+                train_window(workload, accumulator, loader())
         finally:
             if handle is not None:
                 handle.remove()

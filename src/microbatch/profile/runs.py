@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -96,6 +97,27 @@ def _one_window(workload: Workload, accumulator: Accumulator, size: int, device:
     loss, items = workload.loss(workload.model, move_batch(workload.make_batch(size), device))
     accumulator.backward(loss, items=items)
     del loss
+
+
+def train_window(
+    workload: Workload,
+    accumulator: Accumulator,
+    micro_batches: Iterable[Any],
+    *,
+    count: Callable[[Any], Any] = lambda items: items,
+) -> None:
+    """One window of the workload through ``accumulator``: backward per micro-batch, step at its end.
+
+    Each micro-batch's loss is dropped before the next forward, as in a training loop. ``count``
+    maps the loss's item count (the simulation replaces a fake tensor's, which has no value).
+    """
+    model = workload.model
+    for micro in accumulator.iterate(micro_batches):
+        loss, items = workload.loss(model, micro.batch)
+        accumulator.backward(loss, items=count(items))
+        del loss
+        if micro.is_last:
+            accumulator.step()
 
 
 def _synchronize(device: torch.device) -> None:

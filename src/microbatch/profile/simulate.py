@@ -49,6 +49,7 @@ from .assemble import Measurements, assemble, gradient_bytes_by_segment
 from .costs import NONE, Profile
 from .measure import ProgressFn, _blocks_and_policies, default_micro_batch_sizes
 from .roofline import RooflineClock
+from .runs import train_window
 from .timeline import BEFORE, END, END_FORWARD, Recorder, Run, _Event, split
 
 logger = logging.getLogger(__name__)
@@ -300,6 +301,12 @@ def _training_mode(model: nn.Module) -> Iterator[None]:
             module.training = was_training
 
 
+def _handed_out(batches: list[Any]) -> Iterator[Any]:
+    """The batches one by one, each dropped from the list as it is handed out (freed after use)."""
+    while batches:
+        yield batches.pop(0)
+
+
 def _context_notes(device: DeviceSpec) -> list[str]:
     if not device.context_bytes:
         return []
@@ -402,13 +409,7 @@ def simulate_window(
                 accumulator = Accumulator(model, optimizer, steps=len(batches))
                 tracker = SimulatedTracker(cuda=device.kind == "cuda", model=model, optimizer=optimizer)
                 with tracker:
-                    for micro in accumulator.iterate(iter(batches)):
-                        batches.pop(0)
-                        loss, items = workload.loss(model, micro.batch)
-                        accumulator.backward(loss, items=_count(items))
-                        del loss
-                        if micro.is_last:
-                            accumulator.step()
+                    train_window(workload, accumulator, _handed_out(batches), count=_count)
             finally:
                 if handle is not None:
                     handle.remove()
