@@ -43,7 +43,8 @@ def resolve_max_tokens(value: str | int | None, *, micro_batch_size: int, block_
         return None
     if value == "auto":
         return micro_batch_size * block_size
-    assert isinstance(value, int)
+    if not isinstance(value, int):  # parse_max_tokens returns an int, "auto", "off" or None
+        raise ConfigError(f"--max-tokens must be a number of tokens, auto or off, got {value!r}")
     if value < block_size:
         raise ConfigError(
             f"--max-tokens {value} is less than the model's block_size {block_size}: a full-length "
