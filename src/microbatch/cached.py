@@ -230,14 +230,24 @@ class _CachedEncode(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, None]:
-        _replay_backward(ctx.run, list(grads))
-        ctx.run = None  # free the micro-batches and RNG states
+        run, ctx.run = ctx.run, None  # free the micro-batches and RNG states after this backward
+        if run is None:
+            raise UsageError("cached_backward's loss was backpropagated twice; call cached_backward again")
+        _replay_backward(run, list(grads))
         return None, None
+
+
+def _structure_of(run: _Run) -> _Structure:
+    if run.structure is None:
+        raise RuntimeError("internal error: cached_backward's encode pass recorded no structure")
+    return run.structure
 
 
 def _replay_backward(run: _Run, grads: list[torch.Tensor]) -> None:
     """Step 3: re-encode each micro-batch with its RNG state; backward its slice of dL/dr."""
-    assert run.structure is not None and run.rng_states is not None and run.autocast is not None
+    if run.rng_states is None or run.autocast is None:
+        raise RuntimeError("internal error: cached_backward's replay ran before its encode pass")
+    expected = _structure_of(run)
     ddp = run.model if isinstance(run.model, nn.parallel.DistributedDataParallel) else None
     sync_at_end = ddp is not None and ddp.require_backward_grad_sync
     start = run.row_offset
@@ -253,21 +263,13 @@ def _replay_backward(run: _Run, grads: list[torch.Tensor]) -> None:
                 stack.enter_context(distributed.ddp_sync(ddp, enabled=sync_at_end and index == last))
             where = f"encode(micro-batch {index}) when replayed"
             structure, outputs = _flatten(run.encode(micro), rows=rows, where=where)
-            if run.structure != structure:
+            if expected != structure:
                 raise UsageError(
                     f"{where} returned representations shaped {structure.shapes} instead of "
-                    f"{run.structure.shapes}: encode must be deterministic given the batch and the RNG state"
+                    f"{expected.shapes}: encode must be deterministic given the batch and the RNG state"
                 )
-            pairs = [
-                (
-                    out,
-                    grad[start : start + rows] * run.grad_scale
-                    if run.grad_scale != 1.0
-                    else grad[start : start + rows],
-                )
-                for out, grad in zip(outputs, grads, strict=True)
-                if out.requires_grad
-            ]
+            slices = [grad[start : start + rows] * run.grad_scale for grad in grads]  # x1.0 is exact
+            pairs = [(out, piece) for out, piece in zip(outputs, slices, strict=True) if out.requires_grad]
             if not pairs:
                 raise ConfigError(
                     f"{where} returned representations that do not require grad: encode must use parameters "
@@ -379,8 +381,7 @@ def cached_loss(
         raise ConfigError("cached_backward does not support FSDP2 models; use DDP (model=the DDP module)")
     anchor = torch.empty(0, requires_grad=True)
     flat = _CachedEncode.apply(anchor, run)
-    assert run.structure is not None
-    representations = _unflatten(run.structure, flat)
+    representations = _unflatten(_structure_of(run), flat)
     value = loss(representations)
     if not isinstance(value, torch.Tensor):
         raise ConfigError(f"loss(representations) must return a tensor, got {type(value).__name__}")

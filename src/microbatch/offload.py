@@ -117,7 +117,8 @@ class HostOffload:
             self.fetched_on_demand += 1
             self._fetch(entry)
         tensor = entry.device_copy
-        assert tensor is not None  # set by _fetch
+        if tensor is None:  # _fetch has set it; a failure here is microbatch's bug, not the user's
+            raise RuntimeError("internal error: an offloaded tensor was unpacked before its copy back began")
         if entry.device.type == "cuda":
             current = torch.cuda.current_stream(entry.device)
             current.wait_event(entry.fetched_event)
