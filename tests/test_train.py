@@ -8,9 +8,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +24,7 @@ from microbatch.training import (
     scaled_hyperparameters,
     train,
 )
+from train_signals import interrupt_train
 
 RUN_FILES = ("metrics.jsonl", "plan.json", "loss.png", "summary.json", "checkpoint.pt", "config.json")
 # Fields of a metrics line that depend only on the computation (not on time or measurement).
@@ -341,33 +339,13 @@ def test_resume_without_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 # ------------------------------------------------------------------------------------------ SIGINT
 
-_TRAIN_SCRIPT = "import sys; import microbatch.cli as cli; sys.exit(cli.main(['train', *sys.argv[1:]]))"
-
 
 @pytest.mark.slow
 def test_sigint_saves_a_resumable_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "r"
     args = [*NANO, "--memory", SMALL_MEMORY, "--steps", "100000", "--out", str(run_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "-c", _TRAIN_SCRIPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-        text=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        metrics = run_dir / "metrics.jsonl"
-        while time.monotonic() < deadline and process.poll() is None:
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.1)
-        assert process.poll() is None, process.communicate()[1]
-        process.send_signal(signal.SIGINT)
-        _, err = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    assert process.returncode == 130, err
+    returncode, err = interrupt_train(args, run_dir, signal.SIGINT, after_steps=3)
+    assert returncode == 130, err
     assert "Traceback" not in err
     assert f"microbatch train --resume --out {run_dir}" in err
     state = load_checkpoint(str(run_dir / "checkpoint.pt"))

@@ -12,9 +12,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +26,7 @@ from microbatch import cli
 from microbatch.errors import ConfigError, TrainingError
 from microbatch.training import TrainConfig, load_checkpoint, train
 from microbatch.training.signals import StopFlag
+from train_signals import interrupt_train
 
 NANO = ("--model", "gpt-nano", "--batch", "8", "--micro-batch", "2", "--no-progress")
 BASE = TrainConfig(model="gpt-nano", batch=8, micro_batch=2, eval_interval=100)
@@ -53,33 +51,13 @@ def last_line(err: str) -> str:
 
 # ------------------------------------------------------------------------------------------ signals
 
-_TRAIN_SCRIPT = "import sys; import microbatch.cli as cli; sys.exit(cli.main(['train', *sys.argv[1:]]))"
-
 
 @pytest.mark.slow
 def test_sigterm_saves_writes_the_summary_and_exits_143(tmp_path: Path) -> None:
     run_dir = tmp_path / "r"
     args = [*NANO, "--steps", "100000", "--checkpoint-interval", "100000", "--out", str(run_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    process = subprocess.Popen(
-        [sys.executable, "-c", _TRAIN_SCRIPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-        text=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        metrics = run_dir / "metrics.jsonl"
-        while time.monotonic() < deadline and process.poll() is None:
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
-                break
-            time.sleep(0.05)
-        assert process.poll() is None, process.communicate()[1]
-        process.send_signal(signal.SIGTERM)
-        _, err = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    assert process.returncode == 143, err
+    returncode, err = interrupt_train(args, run_dir, signal.SIGTERM, after_steps=2)
+    assert returncode == 143, err
     assert "Traceback" not in err
     assert f"microbatch train --resume --out {run_dir}" in err
     steps_done = load_checkpoint(str(run_dir / "checkpoint.pt"))["step"]
