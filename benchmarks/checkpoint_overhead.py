@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 import results
-from microbatch.checkpoint import checkpoint
+from microbatch.checkpointing.api import checkpoint
 from microbatch.memory import MemoryTracker, format_bytes
 from microbatch.models.workloads import gpt_workload
 

@@ -21,12 +21,12 @@ import time
 from typing import Any
 
 import results
-from microbatch.devices import devices
 from microbatch.errors import InfeasibleBudgetError
 from microbatch.hf.configs import ModelSetup, simulate_config_profile
 from microbatch.memory import format_bytes
+from microbatch.memory.device_specs import devices
 from microbatch.planner import plan
-from microbatch.planner.plan import summarize_policies
+from microbatch.planner.plans import summarize_policies
 from microbatch.planner.ranks import accelerate_estimate, korthikanti_bytes
 
 SECTION_TITLE = "Plans for devices that are not here"

@@ -38,6 +38,7 @@ from torch import nn
 import microbatch as mb
 import results  # benchmarks/results.py
 from microbatch import distributed
+from microbatch.distributed.launch import launch
 
 SECTION = "Distributed"
 
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     # With --json, stdout carries the JSON object alone: the ranks' output goes to stderr.
     with stdout_to_stderr() if args.json else contextlib.nullcontext():
-        rank0 = distributed.launch(run_rank, config, world_size=2, timeout_s=1800.0)[0]
+        rank0 = launch(run_rank, config, world_size=2, timeout_s=1800.0)[0]
     load_average = (load_before + os.getloadavg()[0]) / 2
     skip = statistics.median(rank0["seconds"]["skip"])
     every = statistics.median(rank0["seconds"]["every"])

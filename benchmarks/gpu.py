@@ -48,17 +48,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import results
 from microbatch import Accumulator, checkpoint
-from microbatch.allocator import expandable_segments_enabled, outside_allocator_bytes, replay
-from microbatch.batching import move_batch
-from microbatch.checkpoint import find_blocks
+from microbatch.checkpointing.api import find_blocks
 from microbatch.memory import MemoryTracker, format_bytes
+from microbatch.memory.allocator import expandable_segments_enabled, outside_allocator_bytes, replay
+from microbatch.memory.oom import free_memory, is_out_of_memory
 from microbatch.models.gpt import GPT, GPTConfig
 from microbatch.models.workloads import VarlenTokens, gpt_loss, gpt_optimizer
-from microbatch.oom import free_memory, is_out_of_memory
 from microbatch.planner import plan
 from microbatch.planner.search import Model, search
 from microbatch.planner.trial import run_trial
 from microbatch.profile import preserved_state, profile_workload
+from microbatch.trees.batches import move_batch
 from microbatch.workload import Workload
 
 TITLE = "GPU"
@@ -170,7 +170,7 @@ class Window:
     reserved_bytes: int | None
     device_used_bytes: int | None
     items: int
-    modelled_reserved_bytes: int  # the warm-up window's allocations replayed through microbatch.allocator
+    modelled_reserved_bytes: int  # the warm-up window's allocations replayed (microbatch.memory.allocator)
 
 
 def split_sizes(batch: int, micro: int) -> list[int]:

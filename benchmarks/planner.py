@@ -53,8 +53,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 import microbatch as mb
 import results
-from microbatch.batching import micro_batch_sizes
-from microbatch.checkpoint import checkpoint
+from microbatch.checkpointing.api import checkpoint
 from microbatch.memory import format_bytes
 from microbatch.models.gpt import GPT
 from microbatch.models.workloads import gpt_workload
@@ -63,6 +62,7 @@ from microbatch.planner.plot import save_frontier_plot
 from microbatch.planner.search import Candidate, Model, search
 from microbatch.planner.trial import run_trial
 from microbatch.profile import Profile, profile_workload
+from microbatch.trees.batches import micro_batch_sizes
 from microbatch.workload import Workload
 
 HERE = Path(__file__).resolve().parent

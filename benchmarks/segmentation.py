@@ -38,6 +38,7 @@ import results
 from microbatch.memory import format_bytes
 from microbatch.models import vision
 from microbatch.planner.search import Model
+from microbatch.profile import profile_workload
 
 SECTION_TITLE = "Segmentation: auto blocks vs no checkpointing"
 BATCH = 32
@@ -96,7 +97,7 @@ def _sizes(size: int) -> tuple[int, ...]:
 
 def _predicted_peaks(work: mb.Workload) -> dict[int, int]:
     """The planner's predicted window peak without checkpointing, for micro-batches of 2 and 3."""
-    profile = mb.profile_workload(work, micro_batch_sizes=(2, 4, 8), blocks="auto", policies=["none"])
+    profile = profile_workload(work, micro_batch_sizes=(2, 4, 8), blocks="auto", policies=["none"])
     model = Model(profile)
     return {size: model.evaluate(_sizes(size), {}).peak_bytes for size in (2, 3)}
 

@@ -48,10 +48,10 @@ import torch
 from torch import nn
 
 import microbatch as mb
+from microbatch.accumulate.tokens import padded_tokens
 from microbatch.models.corpus import IGNORE_INDEX, PAD_TOKEN, ByteBatches, load_corpus
 from microbatch.models.gpt import GPT, GPTConfig
 from microbatch.models.workloads import gpt_loss
-from microbatch.tokens import padded_tokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results

@@ -16,8 +16,8 @@ from torch import nn
 
 import microbatch as mb
 from equivalence import accumulated_grads, assert_grads_close, full_batch_grads, grads_of, max_relative_error
-from microbatch.batching import split_batch
 from microbatch.errors import ConfigError, UsageError
+from microbatch.trees.batches import split_batch
 
 F64 = {"rtol": 1e-10, "atol": 1e-12}
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from microbatch.allocator import (
+from microbatch.errors import ConfigError, InfeasibleBudgetError
+from microbatch.memory.allocator import (
     AllocatorOutOfMemoryError,
     CachingAllocatorModel,
     check_cuda_budget,
@@ -22,7 +23,6 @@ from microbatch.allocator import (
     round_size,
     segment_size,
 )
-from microbatch.errors import ConfigError, InfeasibleBudgetError
 
 KiB, MiB = 1024, 1024**2
 

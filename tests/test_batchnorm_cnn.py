@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 import microbatch as mb
-from microbatch.batching import split_batch
-from microbatch.batchnorm import batchnorm_layers
+from microbatch.accumulate.batchnorm import batchnorm_layers
 from microbatch.models.workloads import cnn_bn
-from microbatch.verify import verify
+from microbatch.trees.batches import split_batch
+from microbatch.verification.check import verify
 
 F64 = {"rtol": 1e-10, "atol": 1e-12}
 STATISTICS = ("running_mean", "running_var")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import microbatch as mb
-import microbatch.cached
+import microbatch.accumulate.cached
 from dual_encoder import grads, make_batch, make_models, relative_error
 from microbatch.errors import ConfigError, UsageError
 
@@ -266,7 +266,7 @@ def test_a_second_backward_over_the_cached_loss_is_a_clear_error() -> None:
     torch.manual_seed(0)
     encoder, loss_fn = make_models()
     batch = make_batch(12, seed=1)
-    loss = microbatch.cached.cached_loss(encoder.encode, batch, loss_fn, micro_batch_size=4)
+    loss = microbatch.accumulate.cached.cached_loss(encoder.encode, batch, loss_fn, micro_batch_size=4)
     loss.backward(retain_graph=True)  # replays the micro-batches and frees them
     with pytest.raises(UsageError, match="backpropagated twice"):
         loss.backward()

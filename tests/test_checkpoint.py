@@ -21,11 +21,11 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from microbatch.checkpoint import POLICIES, checkpoint, find_blocks
+from microbatch.checkpointing.api import POLICIES, checkpoint, find_blocks
 from microbatch.errors import CheckpointError, ConfigError
 from microbatch.memory import MemoryTracker
 
-ckpt = importlib.import_module("microbatch.checkpoint")  # the module; mb.checkpoint is the function
+ckpt = importlib.import_module("microbatch.checkpointing.api")  # the module; mb.checkpoint is the function
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 EXACT = {"rtol": 0.0, "atol": 0.0}
@@ -284,7 +284,7 @@ def test_offload_round_trip_through_host_copies(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(ckpt, "_offload_saved_inputs", counting_hooks)
     reference = NormNet().double()
     model = copy.deepcopy(reference)
-    with caplog.at_level(logging.WARNING, logger="microbatch.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="microbatch.checkpointing.api"):
         handle = checkpoint(model, policy="offload")
     if not torch.cuda.is_available():
         assert [r.message for r in caplog.records if "offload" in r.message] != []
@@ -302,7 +302,7 @@ def test_cache_is_turned_off_once_for_checkpointed_training(caplog: Any) -> None
     tokens = torch.randint(0, 20, (2, 5))
     handle = checkpoint(model)
     cache: list[Any] = []
-    with caplog.at_level(logging.INFO, logger="microbatch.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="microbatch.checkpointing.api"):
         for _ in range(2):
             model(tokens, cache=cache, use_cache=True).sum().backward()
     assert cache == []  # never written, so never written twice

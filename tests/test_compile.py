@@ -22,8 +22,9 @@ import torch._dynamo
 from torch import nn
 
 import microbatch as mb
-from microbatch import compiled, distributed
-from microbatch.checkpoint import POLICIES
+from microbatch import distributed
+from microbatch.checkpointing import compiled
+from microbatch.checkpointing.api import POLICIES
 
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 

@@ -17,8 +17,9 @@ from torch import nn
 
 import microbatch as mb
 from equivalence import assert_grads_close, full_batch_grads, grads_of
-from microbatch.batching import split_batch
+from microbatch.accumulate import corrected_momentum
 from microbatch.errors import UsageError
+from microbatch.trees.batches import split_batch
 
 F64 = {"rtol": 1e-10, "atol": 1e-12}
 
@@ -164,7 +165,7 @@ def test_batchnorm_momentum_correction_applies_in_a_manual_loop() -> None:
     acc.step()
     # One update with momentum 0.1 over the window: (1 - 0.1) * start + 0.1 * batch_mean.
     torch.testing.assert_close(norm.running_mean, 0.9 * start + 0.1 * batch_mean, rtol=1e-12, atol=1e-12)
-    assert norm.momentum == pytest.approx(mb.corrected_momentum(0.1, steps))
+    assert norm.momentum == pytest.approx(corrected_momentum(0.1, steps))
 
 
 # ----------------------------------------------------------------------------- a loader that raises

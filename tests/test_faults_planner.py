@@ -14,7 +14,7 @@ from torch import nn
 import microbatch as mb
 from microbatch.cli import main
 from microbatch.errors import InfeasibleBudgetError, WorkloadError
-from microbatch.optimizer_state import fresh_optimizer_like, optimizer_state_bytes
+from microbatch.memory.optimizer_state import fresh_optimizer_like, optimizer_state_bytes
 from microbatch.planner import trial as trial_module
 from microbatch.planner import windows as search_module
 from microbatch.workload import seed_linear

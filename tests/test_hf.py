@@ -30,10 +30,10 @@ pytest.importorskip("transformers")
 import microbatch as mb
 from equivalence import accumulated_grads, assert_grads_close, full_batch_grads, grads_of, max_relative_error
 from microbatch import hf
-from microbatch.batching import split_batch
 from microbatch.cli import main
 from microbatch.errors import ConfigError, WorkloadError
 from microbatch.planner import plan
+from microbatch.trees.batches import split_batch
 
 OWN_LOSS = {"rtol": 1e-5, "atol": 1e-7}
 F64 = {"rtol": 1e-10, "atol": 1e-12}
@@ -276,7 +276,7 @@ def test_use_cache_does_not_break_checkpointed_training(
 
     checkpointed = copy.deepcopy(model)
     handle = mb.checkpoint(checkpointed, policy="full")
-    with caplog.at_level(logging.INFO, logger="microbatch.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="microbatch.checkpointing.api"):
         output = checkpointed(**batch, use_cache=True)
         output.loss.backward()
     assert_grads_close(grads_of(checkpointed), grads_of(reference), **F64)

@@ -143,12 +143,12 @@ def test_control_numbers_travel_on_a_gloo_group_beside_nccl(monkeypatch: pytest.
     (made once), never to a CUDA tensor on whatever device happens to be current."""
     import torch.distributed as dist
 
-    from microbatch import distributed
+    from microbatch.distributed import collectives
 
     made: list[str] = []
     reduced: list[tuple[torch.device, object]] = []
-    monkeypatch.setattr(distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(collectives, "is_initialized", lambda: True)
+    monkeypatch.setattr(collectives, "world_size", lambda: 2)
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
     monkeypatch.setattr(
         dist, "new_group", lambda backend=None, **_: made.append(backend) or f"group-{backend}"
@@ -156,11 +156,11 @@ def test_control_numbers_travel_on_a_gloo_group_beside_nccl(monkeypatch: pytest.
     monkeypatch.setattr(
         dist, "all_reduce", lambda tensor, op=None, group=None: reduced.append((tensor.device, group))
     )
-    monkeypatch.setattr(distributed, "_CONTROL_GROUPS", {})
+    monkeypatch.setattr(collectives, "_CONTROL_GROUPS", {})
     for _ in range(3):
-        assert distributed.all_reduce_values([1.0, 2.0]) == [1.0, 2.0]
+        assert collectives.all_reduce_values([1.0, 2.0]) == [1.0, 2.0]
     assert made == ["gloo"]
     assert reduced == [(torch.device("cpu"), "group-gloo")] * 3
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
-    distributed.all_reduce_values([1.0])
+    collectives.all_reduce_values([1.0])
     assert reduced[-1] == (torch.device("cpu"), None)  # the default group serves CPU tensors

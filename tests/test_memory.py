@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from microbatch import memory as memory_module
 from microbatch.errors import ConfigError, UsageError
 from microbatch.memory import CATEGORIES, MemoryTracker, device_memory_bytes, format_bytes, parse_bytes
+from microbatch.memory import budget as memory_module
 
 # --------------------------------------------------------------------------------------------------
 # parse_bytes / format_bytes

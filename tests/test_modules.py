@@ -1,12 +1,12 @@
-"""The module-tree walker (microbatch.modules) that checkpoint, batchnorm, auto_blocks and verify share."""
+"""The module-tree walker (microbatch.trees.modules) that checkpointing, batchnorm and verify share."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from microbatch.batchnorm import batchnorm_layers, convert_batchnorm_to_groupnorm
-from microbatch.modules import ancestors, is_inside, modules_of_type, replace_modules
+from microbatch.accumulate.batchnorm import batchnorm_layers, convert_batchnorm_to_groupnorm
+from microbatch.trees.modules import ancestors, is_inside, modules_of_type, replace_modules
 
 
 def _nested() -> nn.Module:

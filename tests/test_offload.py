@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from microbatch.checkpoint import checkpoint
-from microbatch.offload import HostOffload, saved_on_host, thread_offload
+from microbatch.checkpointing.api import checkpoint
+from microbatch.checkpointing.offload import HostOffload, saved_on_host, thread_offload
 
-ckpt = importlib.import_module("microbatch.checkpoint")
+ckpt = importlib.import_module("microbatch.checkpointing.api")
 
 
 def _chain(depth: int = 4, width: int = 8) -> nn.Sequential:

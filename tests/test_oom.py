@@ -1,11 +1,11 @@
-"""microbatch.oom: out-of-memory failures recognised by type and by the allocating libraries' status."""
+"""microbatch.memory.oom: out-of-memory failures recognised by type and by the allocating library's status."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from microbatch.oom import is_out_of_memory
+from microbatch.memory.oom import is_out_of_memory
 
 # Messages as torch re-raises them (c10 CUDA_CHECK / TORCH_CUDABLAS_CHECK / cuDNN / NCCL checks).
 OOM_ERRORS = [

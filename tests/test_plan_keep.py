@@ -13,7 +13,8 @@ import microbatch as mb
 from microbatch import cli
 from microbatch.errors import ConfigError
 from microbatch.models.workloads import gpt_workload
-from microbatch.planner.plan import SHOWN_FRONTIER_ROWS
+from microbatch.planner import FrontierPoint
+from microbatch.planner.plans import SHOWN_FRONTIER_ROWS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -77,7 +78,7 @@ def test_apply_can_be_undone_and_twice_is_an_error() -> None:
 def test_print_shows_at_most_ten_frontier_rows(nano_plan: mb.Plan) -> None:
     # A frontier of 30 alternatives (micro-batch 1..30); the chosen one is micro-batch 8.
     points = tuple(
-        mb.FrontierPoint(
+        FrontierPoint(
             micro_batch_size=size,
             steps=-(-8 // size),
             block_policies=nano_plan.block_policies if size == 8 else (),

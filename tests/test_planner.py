@@ -13,15 +13,16 @@ from torch import nn
 
 import microbatch as mb
 from equivalence import assert_grads_close, full_batch_grads, grads_of
-from microbatch.allocator import ddp_bucket_bytes
 from microbatch.cli import main
 from microbatch.errors import ConfigError, InfeasibleBudgetError
+from microbatch.memory.allocator import ddp_bucket_bytes
 from microbatch.models.cnn import SmallCNN
 from microbatch.models.gpt import GPTConfig
 from microbatch.models.workloads import cnn_bn, gpt_workload, lm_varlen
 from microbatch.planner import Plan, plan
 from microbatch.planner.search import SAFETY_MARGIN, Model, search, tie_fraction
 from microbatch.profile import Fit, PolicyCost, Profile, SegmentProfile, profile_workload
+from microbatch.trees.batches import batch_size_of
 from microbatch.workload import Workload
 
 CNN_BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]
@@ -179,7 +180,7 @@ class OutOfMemoryAbove:
         self.raised = 0
 
     def __call__(self, model: nn.Module, batch: Any) -> Any:
-        if mb.batching.batch_size_of(batch) > self.largest:
+        if batch_size_of(batch) > self.largest:
             self.raised += 1
             raise torch.OutOfMemoryError("injected: CUDA out of memory")
         return self.loss(model, batch)

@@ -10,14 +10,14 @@ import torch
 from torch import nn
 
 import microbatch as mb
-from microbatch.allocator import (
+from microbatch.memory import MemoryTracker
+from microbatch.memory.allocator import (
     AllocatorOutOfMemoryError,
     expandable_segments_enabled,
     least_reserved,
     replay,
 )
-from microbatch.devices import devices
-from microbatch.memory import MemoryTracker
+from microbatch.memory.device_specs import devices
 from microbatch.profile import profile_workload
 from microbatch.profile.costs import Fit, Profile
 from microbatch.profile.reserved import ALLOCATOR_MODEL, LIVE, overhead_fit, step_peak_bytes

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 import microbatch as mb
-from microbatch.errors import ConfigError
-from microbatch.schedules import (
+from microbatch.accumulate.schedules import (
     accumulation_schedule,
     lr_multiplier,
     lr_scale_factor,
@@ -22,6 +21,7 @@ from microbatch.schedules import (
     warmup_iterations_for,
     warmup_lr,
 )
+from microbatch.errors import ConfigError
 
 
 def ultralytics_accumulate(ni: int, *, batch: int, nw: int, nbs: int = 64) -> int:

@@ -9,10 +9,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import microbatch as mb
-from microbatch.allocator import round_size, segment_size
-from microbatch.checkpoint import find_blocks
-from microbatch.devices import DeviceSpec, device_spec, devices
+from microbatch.checkpointing.api import find_blocks
 from microbatch.errors import CheckpointError, ConfigError
+from microbatch.memory.allocator import round_size, segment_size
+from microbatch.memory.device_specs import DeviceSpec, device_spec, devices
 from microbatch.planner.search import Candidate
 from microbatch.planner.trial import run_trial
 from microbatch.profile.roofline import RooflineClock, all_gather_seconds, all_reduce_seconds

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from microbatch.devices import devices
+from microbatch.memory.device_specs import devices
 from microbatch.profile.costs import NONE
 from microbatch.profile.simulate import simulate_profile
 from microbatch.workload import Workload

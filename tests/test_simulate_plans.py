@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from microbatch.cli import main
-from microbatch.devices import devices
 from microbatch.errors import ConfigError, InfeasibleBudgetError
+from microbatch.memory.device_specs import devices
 from microbatch.planner import plan
 from microbatch.planner.ranks import accelerate_estimate, korthikanti_bytes, shard_profile
 from microbatch.profile.simulate import simulate_profile

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import microbatch as mb
@@ -15,9 +16,9 @@ from microbatch import distributed
 @pytest.fixture
 def two_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     # A process group of 2 ranks as the library sees it, without starting one.
-    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(distributed.dist, "get_world_size", lambda *args, **kwargs: 2)
-    monkeypatch.setattr(distributed.dist, "get_rank", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *args, **kwargs: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda *args, **kwargs: 0)
 
 
 def _accumulator() -> mb.Accumulator:

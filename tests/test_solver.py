@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from microbatch.batching import micro_batch_sizes
 from microbatch.errors import ConfigError
 from microbatch.planner import solve
 from microbatch.planner.search import candidate_sizes
+from microbatch.trees.batches import micro_batch_sizes
 
 # Whole-number seconds keep every sum exact, so "equal time" means equal.
 options = st.builds(

@@ -14,6 +14,7 @@ import microbatch as mb
 from microbatch.cli import main
 from microbatch.errors import ConfigError
 from microbatch.models import vision
+from microbatch.profile import profile_workload
 
 
 def deeplab_workload() -> mb.Workload:
@@ -91,7 +92,7 @@ def test_min_micro_batch_size_holds_for_profile_and_last_micro_batch(
 
 def test_even_splits_exactly_and_moves_a_prime_batch_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     workload = mlp_workload()
-    profile = mb.profile_workload(workload, micro_batch_sizes=(2, 8, 16), repeats=1)
+    profile = profile_workload(workload, micro_batch_sizes=(2, 8, 16), repeats=1)
     whole = mb.plan(workload, batch=16, memory="1GiB", profile=profile, trial=False)
     budget = whole.minimum_bytes + (whole.predicted_peak_bytes - whole.minimum_bytes) // 3  # about b = 6
     even = mb.plan(workload, batch=12, memory=budget, profile=profile, trial=False, even=True)
@@ -106,7 +107,7 @@ def test_even_splits_exactly_and_moves_a_prime_batch_with_a_warning(caplog: pyte
 
 def test_prefer_large_picks_the_largest_micro_batch_that_fits() -> None:
     workload = mlp_workload()
-    profile = mb.profile_workload(workload, micro_batch_sizes=(1, 8, 16), repeats=1)
+    profile = profile_workload(workload, micro_batch_sizes=(1, 8, 16), repeats=1)
     whole = mb.plan(workload, batch=16, memory="1GiB", profile=profile, trial=False)
     budget = (whole.minimum_bytes + whole.predicted_peak_bytes) // 2
     fastest = mb.plan(workload, batch=16, memory=budget, profile=profile, trial=False)

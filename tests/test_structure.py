@@ -22,15 +22,12 @@ PUBLIC_NAMES = [
     "CheckpointHandle",
     "ConfigError",
     "DeviceSpec",
-    "FrontierPoint",
     "InfeasibleBudgetError",
     "MemoryTracker",
     "Micro",
     "MicrobatchError",
     "Plan",
-    "Profile",
     "ResumeError",
-    "TokenStats",
     "TokenWindows",
     "UsageError",
     "VerifyReport",
@@ -41,7 +38,6 @@ PUBLIC_NAMES = [
     "cached_backward",
     "checkpoint",
     "convert_batchnorm_to_groupnorm",
-    "corrected_momentum",
     "devices",
     "distributed",
     "find_blocks",
@@ -50,7 +46,6 @@ PUBLIC_NAMES = [
     "parse_bytes",
     "plan",
     "plan_cached",
-    "profile_workload",
     "schedules",
     "split_by_tokens",
     "verify",
@@ -93,3 +88,167 @@ def test_no_function_is_too_long() -> None:
                 if length > MAX_FUNCTION_LINES:
                     too_long[f"{name}:{node.lineno} {node.name}"] = length
     assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines: {too_long}"
+
+
+# ---------------------------------------------------------------------- layers and circles
+
+ROOT_MODULES = {"__init__.py", "__main__.py", "cli.py", "errors.py", "workload.py"}
+
+# What each part of the package may import (besides itself), lowest layer first: measure ->
+# profile -> plan -> apply -> train, with the mechanisms (accumulate, checkpointing, distributed)
+# below the profile that measures them. A lower layer never imports a higher one.
+ALLOWED_IMPORTS: dict[str, set[str]] = {
+    "errors": set(),
+    "trees": {"errors"},
+    "memory": {"errors", "trees"},
+    "workload": {"errors", "memory"},
+    "distributed": {"errors", "trees"},
+    "accumulate": {"errors", "trees", "memory", "distributed"},
+    "checkpointing": {"errors", "trees", "memory", "workload"},
+    "verification": {"errors", "trees", "memory", "workload", "distributed", "accumulate"},
+    "profile": {"errors", "trees", "memory", "workload", "distributed", "accumulate", "checkpointing"},
+    "planner": {
+        "errors", "trees", "memory", "workload", "distributed", "accumulate", "checkpointing", "profile",
+    },
+    "models": {"errors", "trees", "memory", "workload"},
+    "hf": {
+        "errors", "trees", "memory", "workload", "distributed", "accumulate", "checkpointing", "profile",
+        "planner", "models",
+    },
+    "training": {
+        "errors", "trees", "memory", "workload", "distributed", "accumulate", "checkpointing", "profile",
+        "planner", "models",
+    },
+    "commands": {
+        "errors", "trees", "memory", "workload", "distributed", "accumulate", "checkpointing", "profile",
+        "planner", "models", "hf", "training", "verification",
+    },
+    "cli": {"errors", "commands", "distributed", "__init__"},
+    "__main__": {"cli"},
+}  # fmt: skip
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SOURCE).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["microbatch", *parts])
+
+
+def _imports(path: Path) -> set[str]:
+    """Every microbatch module ``path`` imports (at any depth of the file, TYPE_CHECKING included)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("microbatch"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("microbatch"):
+                continue
+            for alias in node.names:  # `from . import distributed` imports a module
+                candidate = f"{target}.{alias.name}"
+                found.add(candidate if candidate in _MODULES else target)
+    return found & _MODULES
+
+
+_MODULES = {_module_name(path) for _, path in _modules()}
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_the_root_holds_only_the_face_the_cli_errors_and_workload() -> None:
+    root = {p.name for p in SOURCE.glob("*.py")}
+    assert root == ROOT_MODULES, f"modules at the root that belong in a package: {root - ROOT_MODULES}"
+    for package in (p for p in SOURCE.iterdir() if p.is_dir() and p.name != "__pycache__"):
+        face = package / "__init__.py"
+        assert face.is_file(), f"{package.name}/ has no __init__.py"
+        doc = ast.get_docstring(ast.parse(face.read_text()))
+        assert doc and "May import" in doc, f"{package.name}/__init__.py: say what it owns and may import"
+
+
+def test_a_lower_layer_never_imports_a_higher_one() -> None:
+    wrong = []
+    for _, path in _modules():
+        module = _module_name(path)
+        part = _part(module)
+        if part == "__init__":
+            continue  # the public face re-exports every layer
+        allowed = ALLOWED_IMPORTS[part] | {part}
+        wrong += [f"{module} -> {t}" for t in sorted(_imports(path)) if _part(t) not in allowed]
+    assert not wrong, (
+        "imports against the layer table (tests/test_structure.py ALLOWED_IMPORTS):\n" + "\n".join(wrong)
+    )
+
+
+# Being broken up (the window's state as one object): must end empty.
+KNOWN_CIRCLES = [
+    ["microbatch.accumulate.accumulator", "microbatch.accumulate.iteration", "microbatch.accumulate.window"]
+]
+
+
+def test_no_import_circle() -> None:
+    # A package's face importing its own modules is no circle; a module importing its package's
+    # face back is (`from . import name` for a name the face defines).
+    graph = {_module_name(path): _imports(path) for _, path in _modules()}
+    circles = _strongly_connected(graph)
+    assert circles == KNOWN_CIRCLES, f"import circles: {circles}"
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm: the components of more than one module (each an import circle)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_public_name_shadows_a_module() -> None:
+    """``from microbatch.X import name`` must never hide a module called ``name`` (mb.checkpoint was
+    once a function hiding microbatch/checkpoint.py)."""
+    import importlib
+
+    shadowed = []
+    for module in sorted(_MODULES):
+        if not (SOURCE / Path(*module.split(".")[1:]) / "__init__.py").is_file() and module != "microbatch":
+            continue
+        face = importlib.import_module(module)
+        for name in getattr(face, "__all__", []):
+            if f"{module}.{name}" in _MODULES and not isinstance(getattr(face, name), type(face)):
+                shadowed.append(f"{module}.{name}")
+    assert not shadowed, f"public names that hide a module of the same name: {shadowed}"

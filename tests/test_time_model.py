@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from microbatch.checkpoint import find_blocks
+from microbatch.checkpointing.api import find_blocks
 from microbatch.errors import ConfigError
 from microbatch.planner.search import Model
 from microbatch.profile import NONE, Fit, PolicyCost, Profile, SegmentProfile, profile_workload

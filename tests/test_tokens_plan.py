@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import microbatch as mb
+from microbatch.accumulate.tokens import TokenStats
 from microbatch.models.corpus import IGNORE_INDEX, PAD_TOKEN
 from microbatch.models.gpt import GPTConfig
 from microbatch.models.workloads import gpt_loss, gpt_workload
@@ -15,7 +16,6 @@ from microbatch.planner import plan
 from microbatch.planner.search import search
 from microbatch.planner.tokens import token_budget
 from microbatch.profile import profile_workload
-from microbatch.tokens import TokenStats
 from microbatch.workload import Workload, seed_linear
 
 Sample = tuple[torch.Tensor, torch.Tensor]

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import microbatch as mb
-from microbatch import tokens
+from microbatch.accumulate import tokens
+from microbatch.accumulate.tokens import fewest_micro_batches_bound, padded_tokens
 from microbatch.errors import ConfigError
-from microbatch.tokens import fewest_micro_batches_bound, padded_tokens
 
 
 @st.composite

@@ -17,10 +17,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from equivalence import full_batch_grads, grads_of
-from microbatch.batching import split_batch
 from microbatch.cli import main
 from microbatch.errors import ConfigError, WorkloadError
-from microbatch.verify import VerifyReport, verify
+from microbatch.trees.batches import split_batch
+from microbatch.verification.check import VerifyReport, verify
 from microbatch.workload import Workload, load_workload
 
 VOCAB = 13

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from microbatch.batching import micro_batch_sizes, split_batch
+from microbatch.trees.batches import micro_batch_sizes, split_batch
 
 from .accelerate_peer import accelerate_finder
 from .lightning_peer import lightning_finder

@@ -231,7 +231,7 @@ def hf_checkpoint_every_layer(model: nn.Module) -> nn.Module:
 
 
 def mb_checkpoint_every_block(model: nn.Module) -> nn.Module:
-    from microbatch.checkpoint import checkpoint
+    from microbatch.checkpointing.api import checkpoint
 
     checkpoint(model, blocks="auto", policy="full")
     return model

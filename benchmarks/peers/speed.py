@@ -28,7 +28,7 @@ def speed_runners() -> dict[str, tuple[str, Runner]]:
             Runner("nanogpt", hf_checkpoint_every_layer),
         ),
     }
-    if importlib.util.find_spec("microbatch.checkpoint") is not None:
+    if importlib.util.find_spec("microbatch.checkpointing.api") is not None:
         runners["microbatch+checkpoint"] = (
             "microbatch `Accumulator` + `mb.checkpoint` (every block, full)",
             Runner("microbatch", mb_checkpoint_every_block),

@@ -9,12 +9,18 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from . import distributed, schedules
-from .accumulate import Accumulator, Micro, WindowStats
-from .batchnorm import convert_batchnorm_to_groupnorm, corrected_momentum
-from .cached import cached_backward
-from .checkpoint import CheckpointHandle, checkpoint, find_blocks
-from .devices import DeviceSpec, devices
+from . import distributed
+from .accumulate import (
+    Accumulator,
+    Micro,
+    TokenWindows,
+    WindowStats,
+    cached_backward,
+    convert_batchnorm_to_groupnorm,
+    schedules,
+    split_by_tokens,
+)
+from .checkpointing import CheckpointHandle, checkpoint, find_blocks
 from .errors import (
     CheckpointError,
     ConfigError,
@@ -24,12 +30,10 @@ from .errors import (
     UsageError,
     WorkloadError,
 )
-from .memory import MemoryTracker, format_bytes, parse_bytes
-from .planner import FrontierPoint, Plan, plan
+from .memory import DeviceSpec, MemoryTracker, devices, format_bytes, parse_bytes
+from .planner import Plan, plan
 from .planner.cached import CachedPlan, plan_cached
-from .profile import Profile, profile_workload
-from .tokens import TokenStats, TokenWindows, split_by_tokens
-from .verify import VerifyReport, verify
+from .verification import VerifyReport, verify
 from .workload import Workload, load_workload
 
 __all__ = [
@@ -39,15 +43,12 @@ __all__ = [
     "CheckpointHandle",
     "ConfigError",
     "DeviceSpec",
-    "FrontierPoint",
     "InfeasibleBudgetError",
     "MemoryTracker",
     "Micro",
     "MicrobatchError",
     "Plan",
-    "Profile",
     "ResumeError",
-    "TokenStats",
     "TokenWindows",
     "UsageError",
     "VerifyReport",
@@ -58,7 +59,6 @@ __all__ = [
     "cached_backward",
     "checkpoint",
     "convert_batchnorm_to_groupnorm",
-    "corrected_momentum",
     "devices",
     "distributed",
     "find_blocks",
@@ -67,7 +67,6 @@ __all__ = [
     "parse_bytes",
     "plan",
     "plan_cached",
-    "profile_workload",
     "schedules",
     "split_by_tokens",
     "verify",

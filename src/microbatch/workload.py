@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .errors import WorkloadError
-from .optimizer_state import fresh_optimizer_like
+from .memory.optimizer_state import fresh_optimizer_like
 
 LossFn = Callable[[nn.Module, Any], "tuple[torch.Tensor, int | float | torch.Tensor]"]
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dual_encoder import grads, make_batch, make_models
-from microbatch.distributed import launch
+from microbatch.distributed.launch import launch
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -11,7 +11,7 @@ import dist_workers as w
 import pytest
 import torch
 
-from microbatch.distributed import launch
+from microbatch.distributed.launch import launch
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

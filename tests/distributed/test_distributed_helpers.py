@@ -59,7 +59,7 @@ def test_rank_zero_logging(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_other_ranks_stay_quiet(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(distributed, "rank", lambda: 1)
+    monkeypatch.setattr(distributed.process, "rank", lambda: 1)
     with caplog.at_level(logging.INFO, logger="microbatch"):
         distributed.log_rank_zero(logging.getLogger("microbatch.test"), logging.WARNING, "not on rank 1")
     assert caplog.records == []

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dist_workers as w
 import pytest
 
-from microbatch.distributed import launch
+from microbatch.distributed.launch import launch
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -11,7 +11,7 @@ import token_workers as w
 import torch
 
 from equivalence import assert_grads_close, full_batch_grads
-from microbatch.distributed import launch
+from microbatch.distributed.launch import launch
 from microbatch.models.workloads import gpt_loss
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

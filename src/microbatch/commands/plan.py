@@ -8,7 +8,6 @@ import os
 import sys
 from typing import Any
 
-from ..devices import device_spec, devices
 from ..errors import ConfigError, UsageError
 from ..hf.configs import (
     ARCHITECTURES,
@@ -18,6 +17,7 @@ from ..hf.configs import (
     is_architecture,
     simulate_config_profile,
 )
+from ..memory.device_specs import device_spec, devices
 from ..planner import plan
 from ..planner.plot import save_frontier_plot
 from ..planner.ranks import SHARDS

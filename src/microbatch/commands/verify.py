@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from ..verify import verify
+from ..verification.check import verify
 from ..workload import BUILTIN_WORKLOADS, load_workload
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}

@@ -6,6 +6,8 @@ treat a transformers causal LM exactly (see ``causal_lm``). ``tiny_gpt2`` / ``ti
 ``tiny_bert`` build small models from configurations (see ``tiny``). ``fit_trainer(trainer, batch=...,
 memory=...)`` plans for a transformers Trainer and sets its batch size, accumulation and
 checkpointing. Importing this package does not import transformers; building a model does.
+
+May import every layer up to the ``planner`` and ``models``; never ``training`` or ``commands``.
 """
 
 from __future__ import annotations
@@ -18,14 +20,7 @@ from .causal_lm import (
     count_causal_lm_items,
     pad_causal_lm_batch,
 )
-from .tiny import (
-    StdlibTextBatches,
-    tiny_bert,
-    tiny_gpt2,
-    tiny_gpt2_workload,
-    tiny_llama,
-    tiny_llama_workload,
-)
+from .tiny import StdlibTextBatches, tiny_bert, tiny_gpt2, tiny_gpt2_workload, tiny_llama, tiny_llama_workload
 from .trainer import fit_trainer, trainer_workload
 
 __all__ = [

@@ -40,8 +40,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..batching import batch_size_of
 from ..errors import ConfigError, WorkloadError
+from ..trees.batches import batch_size_of
 from ..workload import OptimizerFactory, Workload
 
 logger = logging.getLogger(__name__)

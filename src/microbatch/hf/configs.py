@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..devices import DeviceSpec
 from ..errors import ConfigError, WorkloadError
+from ..memory.device_specs import DeviceSpec
 from ..profile.costs import Profile, SegmentProfile
 from ..profile.measure import ProgressFn
 from ..profile.simulate import simulate_profile, simulation, static_costs

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from .. import distributed
-from ..batching import batch_size_of, slice_batch
-from ..cached import _flatten, cached_backward
+from ..accumulate.cached import _flatten, cached_backward
 from ..errors import ConfigError, InfeasibleBudgetError
 from ..memory import MemoryTracker, format_bytes, parse_bytes
+from ..trees.batches import batch_size_of, slice_batch
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def _encode_step(encode: Callable[[Any], Any], micro: Any) -> Callable[[], None]
 def _measure(
     encode: Callable[[Any], Any], loss: Callable[[Any], torch.Tensor], batch: Any, model: Any
 ) -> _Measured:
-    from ..cached import _unflatten
+    from ..accumulate.cached import _unflatten
 
     size = batch_size_of(batch)
     # Small probes: a plan is wanted exactly when large encode passes do not fit.

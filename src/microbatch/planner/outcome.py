@@ -9,11 +9,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..checkpoint import BlockSpec
-from ..devices import DeviceSpec
+from ..checkpointing.api import BlockSpec
+from ..memory.device_specs import DeviceSpec
 from ..profile import Profile, ProgressFn
 from ..workload import Workload
-from .plan import FrontierPoint, Plan, summarize_policies
+from .plans import FrontierPoint, Plan, summarize_policies
 from .reserve import BudgetReserve
 from .rules import SplitRules, batchnorm_note
 from .search import Candidate, SearchResult

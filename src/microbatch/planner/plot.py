@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..memory import format_bytes
-from .plan import Plan
+from .plans import Plan
 
 MIB = 2**20
 

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..devices import DeviceSpec
 from ..errors import ConfigError
+from ..memory.device_specs import DeviceSpec
 from ..profile.costs import NONE, Fit, Profile
 from ..profile.roofline import all_gather_seconds, all_reduce_seconds
 

@@ -8,13 +8,13 @@ from collections.abc import Sequence
 
 import torch
 
-from ..batching import batch_size_of
 from ..errors import ConfigError, InfeasibleBudgetError, MicrobatchError, WorkloadError
 from ..memory import format_bytes
-from ..optimizer_state import optimizer_state_bytes
+from ..memory.optimizer_state import optimizer_state_bytes
 from ..profile import Profile
+from ..trees.batches import batch_size_of
 from ..workload import Workload
-from .plan import summarize_policies
+from .plans import summarize_policies
 from .reserve import BudgetReserve, with_reserve
 from .search import Candidate, SearchResult
 from .windows import MAX_STEPS_PER_WINDOW

@@ -4,7 +4,7 @@ On the CPU a budget is peak live tensor bytes, and the only thing outside the pr
 model is DDP's gradient buckets when more than one rank runs.
 
 On CUDA a budget is the caching allocator's peak *reserved* bytes (its segments, with their
-rounding and fragmentation: see microbatch.allocator) plus what the allocator does not see: the
+rounding and fragmentation: see microbatch.memory.allocator) plus what the allocator does not see: the
 CUDA context, the cuBLAS/cuDNN handles and anything else already on the device (NCCL's buffers
 once a collective ran, other processes), measured once when planning starts as
 (total - free) - reserved. The trial measures reserved bytes; the search predicts them (the
@@ -18,14 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..allocator import (
+from ..errors import InfeasibleBudgetError
+from ..memory import format_bytes, fraction_base_bytes
+from ..memory.allocator import (
     check_cuda_budget,
     ddp_bucket_bytes,
     expandable_segments_enabled,
     outside_allocator_bytes,
 )
-from ..errors import InfeasibleBudgetError
-from ..memory import format_bytes, fraction_base_bytes
 from ..workload import Workload
 
 OUTSIDE_ALLOCATOR = "outside the caching allocator (CUDA context, workspaces, other users)"

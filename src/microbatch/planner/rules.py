@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from ..batchnorm import batchnorm_layers
+from ..accumulate.batchnorm import batchnorm_layers
 from ..errors import ConfigError
 from ..profile import Profile
 from ..workload import Workload

@@ -315,12 +315,6 @@ def pareto(candidates: Sequence[Candidate]) -> list[Candidate]:
     return front
 
 
-def _rank(candidate: Candidate, prefer_large: bool) -> tuple[float, ...]:
-    """Sort key of fitting candidates, best first."""
-    fastest = (candidate.seconds_per_step, candidate.peak_bytes)
-    return (-candidate.micro_batch_size, *fastest) if prefer_large else fastest
-
-
 def search(
     profile: Profile,
     *,

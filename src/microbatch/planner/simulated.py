@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from ..devices import DeviceSpec, device_spec, devices
 from ..errors import ConfigError
 from ..memory import format_bytes, parse_bytes
+from ..memory.device_specs import DeviceSpec, device_spec, devices
 from ..profile.costs import Profile
 from ..profile.simulate import simulate_profile
 from ..workload import Workload
 from . import ranks
-from .plan import Plan
+from .plans import Plan
 
 logger = logging.getLogger(__name__)
 _FRACTION = re.compile(r"^\s*(0?\.[0-9]+|1\.0*|1)\s*$")

@@ -35,16 +35,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import distributed
-from ..checkpoint import BlockSpec
-from ..compiled import eager_workload
-from ..devices import DeviceSpec
+from ..checkpointing.api import BlockSpec
+from ..checkpointing.compiled import eager_workload
 from ..memory import format_bytes
-from ..oom import attempt
+from ..memory.device_specs import DeviceSpec
+from ..memory.oom import attempt
 from ..profile import Profile, ProgressFn, profile_workload
 from ..workload import Workload, load_workload
 from .choices import faster_without_margin, last_resort
 from .outcome import PlanRequest, Setup, plan_of
-from .plan import Plan, summarize_policies
+from .plans import Plan, summarize_policies
 from .ranks import shard_profile
 from .refusals import (
     candidate_key,

@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..accumulate import Accumulator
-from ..batching import move_batch
-from ..checkpoint import checkpoint
+from ..accumulate.accumulator import Accumulator
+from ..checkpointing.api import checkpoint
 from ..memory import MemoryTracker
-from ..oom import free_memory
+from ..memory.oom import free_memory
 from ..profile import NONE, preserved_state
 from ..profile.runs import train_window
 from ..profile.stash import optimizer_instance
+from ..trees.batches import move_batch
 from ..workload import Workload
 from .search import Candidate
 

@@ -29,18 +29,16 @@ a measurement by more than 10 % is reported as not linear.
 Static memory comes from the real optimizer after a real step: parameters, gradients and the
 optimizer's state (MemoryTracker's breakdown). Parameters, gradients, buffers, modes and the RNG
 are restored afterwards: profiling trains nothing.
+
+May import: ``errors``, ``trees``, ``memory``, ``workload``, ``distributed``, ``accumulate``,
+``checkpointing``; never the planner, which reads only the Profile this package returns.
 """
 
 from __future__ import annotations
 
-from ..oom import free_memory, is_out_of_memory
+from ..memory.oom import free_memory, is_out_of_memory
 from .costs import NONE, Fit, PolicyCost, Profile, SegmentProfile
-from .measure import (
-    ProgressFn,
-    default_micro_batch_sizes,
-    default_policies,
-    profile_workload,
-)
+from .measure import ProgressFn, default_micro_batch_sizes, default_policies, profile_workload
 from .runs import preserved_state
 
 __all__ = [

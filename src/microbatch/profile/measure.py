@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from .. import distributed
-from ..auto_blocks import describe_blocks
-from ..checkpoint import POLICIES, BlockSpec, checkpoint, find_blocks
+from ..checkpointing.api import POLICIES, BlockSpec, checkpoint, find_blocks
+from ..checkpointing.auto_blocks import describe_blocks
 from ..errors import CheckpointError, ConfigError, InfeasibleBudgetError
 from ..memory import device_memory_bytes
-from ..oom import attempt
+from ..memory.oom import attempt
 from ..workload import Workload
 from . import stash
 from .assemble import Measurements, assemble, gradient_bytes_by_segment

@@ -4,7 +4,7 @@ On CUDA (a real device, or a CUDA target simulated under fake tensors) a budget 
 allocator's peak reserved bytes, not the peak of the live tensors MemoryTracker counts. One code
 path turns the one into the other: every tracked run records its allocation sequence
 (``MemoryTracker(record_allocations=True)``: the model's and the optimizer's storages first, then
-each storage made and freed in order), and ``microbatch.allocator.least_reserved`` serves it as
+each storage made and freed in order), and ``microbatch.memory.allocator.least_reserved`` serves it as
 the caching allocator would, from an empty cache, on the smallest device it runs on without an
 OOM (the allocator gives its cached free segments back before it fails): that reserved peak R is
 what the budget must hold for the run. The tracker gives the same run's peak live bytes A (each
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ..allocator import expandable_segments_enabled, least_reserved
 from ..memory import MemoryTracker, format_bytes
+from ..memory.allocator import expandable_segments_enabled, least_reserved
 from .costs import Fit
 from .timeline import Run
 
@@ -90,5 +90,5 @@ def note(kind: str, fit: Fit) -> str:
     spread = ", ".join(f"{format_bytes(round(v))} at {s}" for s, v in zip(fit.sizes, fit.values, strict=True))
     return (
         f"predicted peak: {kind}: the profiled runs' allocations replayed through "
-        f"microbatch.allocator; reserved minus live bytes per micro-batch size: {spread}"
+        f"microbatch.memory.allocator; reserved minus live bytes per micro-batch size: {spread}"
     )

@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from ..devices import DeviceSpec
+from ..memory.device_specs import DeviceSpec
 
 # Ops that move no data although their schema does not say "view".
 _FREE = {

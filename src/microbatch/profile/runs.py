@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..accumulate import Accumulator
-from ..batching import move_batch
+from ..accumulate.accumulator import Accumulator
 from ..errors import WorkloadError
 from ..memory import MemoryTracker
-from ..oom import attempt
+from ..memory.oom import attempt
+from ..trees.batches import move_batch
 from ..workload import Workload
 from . import reserved, stash
 from .timeline import BEFORE, END, END_FORWARD, Recorder, Run, split

@@ -15,7 +15,7 @@ converted; nothing else allocates real memory.
 
 For a CUDA target the tracker counts each storage in 512-byte blocks (``kMinBlockSize``), as
 ``memory_allocated`` does, and records the allocation sequence; as on a real GPU, each run's
-sequence is replayed through ``microbatch.allocator`` (block rounding, small and large pools,
+sequence is replayed through ``microbatch.memory.allocator`` (block rounding, small and large pools,
 segment sizes, splitting and fragmentation; ``expandable_segments`` when PYTORCH_CUDA_ALLOC_CONF
 sets it), and the profile carries reserved minus live bytes (profile/reserved.py), so a plan's
 predicted peak is reserved bytes. The CUDA context and the library workspaces, which the allocator
@@ -38,11 +38,11 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map
 
-from ..accumulate import Accumulator
-from ..allocator import round_size
-from ..checkpoint import BlockSpec, checkpoint
-from ..devices import DeviceSpec
+from ..accumulate.accumulator import Accumulator
+from ..checkpointing.api import BlockSpec, checkpoint
 from ..memory import MemoryTracker
+from ..memory.allocator import round_size
+from ..memory.device_specs import DeviceSpec
 from ..workload import Workload
 from . import reserved
 from .assemble import Measurements, assemble, gradient_bytes_by_segment

@@ -33,6 +33,9 @@ on its own data stream, rank 0 alone plans, writes files and reports progress.
     report.py      StepReport, TrainSummary
     run_folder.py  atomic writes, checkpoint files, metrics, loss.png
     pipeline.py    train(): the steps above in order
+
+May import every layer below it (``planner``, ``profile``, ``checkpointing``, ``accumulate``,
+``distributed``, ``memory``, ``trees``, ``workload``, ``errors``) and ``models``; never ``commands``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from .. import distributed, schedules
+from .. import distributed
+from ..accumulate import schedules
 from ..errors import ConfigError, WorkloadError
 from ..models.corpus import DEFAULT_MAX_BYTES
 from ..models.gpt import GPT_SIZES
@@ -225,7 +226,7 @@ def accumulation_schedule(
 ) -> int | Callable[[int], int]:
     """Micro-batches per window: the plan's, ramped up from 1 over the warmup with a nominal batch.
 
-    Ultralytics' ramp (microbatch.schedules.accumulation_schedule) over the micro-batches of the
+    Ultralytics' ramp (microbatch.accumulate.schedules.accumulation_schedule) over the micro-batches of the
     first ``warmup_steps`` full windows, ending at the plan's steps: afterwards every window holds
     the full effective batch.
     """

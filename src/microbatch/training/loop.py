@@ -25,12 +25,12 @@ from typing import Any
 import torch
 
 from .. import distributed
-from ..accumulate import WindowStats
-from ..batching import batch_size_of, move_batch, split_batch
+from ..accumulate.accumulator import WindowStats
 from ..errors import TrainingError, WorkloadError
 from ..memory import MemoryTracker
+from ..memory.oom import free_memory, is_out_of_memory
 from ..models.workloads import gpt_loss
-from ..oom import free_memory, is_out_of_memory
+from ..trees.batches import batch_size_of, move_batch, split_batch
 from .plan import plan_without, planning_workload
 from .ranks import on_rank_zero
 from .report import StepReport

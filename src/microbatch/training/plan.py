@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 from .. import distributed
-from ..batching import move_batch
-from ..checkpoint import find_blocks
+from ..checkpointing.api import find_blocks
 from ..errors import ConfigError, InfeasibleBudgetError
 from ..memory import format_bytes, parse_bytes
 from ..models.corpus import ByteBatches
 from ..models.workloads import gpt_loss
 from ..planner import Plan, plan, prove
+from ..trees.batches import move_batch
 from ..workload import Workload
 from .config import TrainConfig
 

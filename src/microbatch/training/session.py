@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from .. import distributed
-from ..accumulate import Accumulator
-from ..checkpoint import CheckpointHandle
+from ..accumulate.accumulator import Accumulator
+from ..checkpointing.api import CheckpointHandle
 from ..errors import ConfigError, ResumeError, TrainingError
 from ..models.corpus import ByteBatches, load_corpus
 from ..models.gpt import GPT, GPTConfig, gpt_config

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from .. import distributed
+from ..accumulate.tokens import split_by_tokens
 from ..errors import ConfigError
 from ..models.corpus import IGNORE_INDEX
-from ..tokens import split_by_tokens
 
 MAX_TOKENS_CHOICES = ("auto", "off")
 

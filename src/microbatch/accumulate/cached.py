@@ -46,10 +46,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import distributed
-from .accumulate import Accumulator
-from .batching import batch_size_of, micro_batch_sizes, split_batch
-from .errors import ConfigError, UsageError
+from .. import distributed
+from ..errors import ConfigError, UsageError
+from ..trees.batches import batch_size_of, micro_batch_sizes, split_batch
+from .accumulator import Accumulator
 
 logger = logging.getLogger(__name__)
 
@@ -421,7 +421,7 @@ def cached_backward(
     unscaling and the scheduler act once per window in ``accumulator.step()``. With ``gather`` every
     rank weighs the global loss by the global batch size, so ``WindowStats.items`` counts each sample
     once per rank. Without an accumulator, a GradScaler is applied as ``scaler.scale(cached_loss(...))
-    .backward()`` with ``microbatch.cached.cached_loss``.
+    .backward()`` with ``microbatch.accumulate.cached.cached_loss``.
 
     ``gather``: all-gather the representations over the ranks so the loss sees the global batch
     (default: when torch.distributed runs several ranks); ``model`` (or the accumulator's) must then be

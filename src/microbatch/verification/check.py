@@ -31,11 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .batching import batch_size_of, move_batch, split_batch
-from .errors import ConfigError, WorkloadError
-from .precision import compute_dtype, low_precision_parameters, with_autocast
-from .verify_diagnostics import IGNORE_INDEX, Setup, control_randomness, diagnose
-from .verify_passes import (
+from ..accumulate.precision import compute_dtype, low_precision_parameters, with_autocast
+from ..errors import ConfigError, WorkloadError
+from ..trees.batches import batch_size_of, move_batch, split_batch
+from ..workload import Workload
+from .diagnostics import IGNORE_INDEX, Setup, control_randomness, diagnose
+from .passes import (
     Compared,
     Difference,
     Pass,
@@ -45,9 +46,8 @@ from .verify_passes import (
     run_full_batch,
     run_per_micro_batch,
 )
-from .verify_precision import Finding, compute_dtype_finding, wide_accumulation_finding
-from .verify_report import Diagnostic, ParameterDifference, VerifyReport
-from .workload import Workload
+from .precision import Finding, compute_dtype_finding, wide_accumulation_finding
+from .report import Diagnostic, ParameterDifference, VerifyReport
 
 logger = logging.getLogger(__name__)
 

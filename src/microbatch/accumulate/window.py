@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from .accumulate import Accumulator
+    from .accumulator import Accumulator
 
 logger = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ import logging
 
 from ..errors import InfeasibleBudgetError
 from ..memory import format_bytes
-from ..oom import attempt
+from ..memory.oom import attempt
 from ..workload import Workload
-from .plan import Plan
+from .plans import Plan
 from .reserve import outside_the_model
 from .search import Candidate
 from .trial import run_trial

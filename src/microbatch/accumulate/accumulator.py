@@ -39,10 +39,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import distributed
-from .batching import batch_size_of
+from .. import distributed
+from ..errors import ConfigError, UsageError
+from ..trees.batches import batch_size_of
 from .batchnorm import batchnorm_layers, corrected_momentum
-from .errors import ConfigError, UsageError
+from .iteration import iterate_windows
 from .micro import (
     Micro,
     WindowStats,
@@ -53,8 +54,7 @@ from .micro import (
     validate_steps_value,
 )
 from .precision import WideGradients
-from .window_iteration import iterate_windows
-from .window_step import optimizer_step, read_window, scale_gradients
+from .window import optimizer_step, read_window, scale_gradients
 
 logger = logging.getLogger(__name__)
 

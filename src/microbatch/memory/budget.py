@@ -1,5 +1,4 @@
-"""Byte sizes: a device's memory, budgets parsed from "8GiB" / "80%", and (re-exported) format_bytes
-and MemoryTracker, which live in units.py and memory_tracker.py."""
+"""Byte sizes: a device's memory, and budgets parsed from "8GiB" / "80%"."""
 
 from __future__ import annotations
 
@@ -9,19 +8,14 @@ import re
 
 import torch
 
-from .errors import ConfigError
-from .memory_tracker import CATEGORIES, MemoryTracker
-from .units import format_bytes
+from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "BYTES_RULE",
-    "CATEGORIES",
-    "MemoryTracker",
     "device_free_bytes",
     "device_memory_bytes",
-    "format_bytes",
     "fraction_base_bytes",
     "parse_bytes",
 ]

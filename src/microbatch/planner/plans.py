@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..accumulate import Accumulator
-from ..batching import split_batch
-from ..checkpoint import CheckpointHandle, checkpoint
-from ..compiled import unwrap_compiled
+from ..accumulate.accumulator import Accumulator
+from ..checkpointing.api import CheckpointHandle, checkpoint
 from ..errors import ConfigError
 from ..memory import format_bytes
+from ..trees.batches import split_batch
+from ..trees.modules import unwrap_compiled
 
 NONE = "none"
 # print(plan) shows this many frontier rows around the chosen one; to_dict() holds them all.

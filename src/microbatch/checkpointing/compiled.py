@@ -27,21 +27,19 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
+from ..trees.modules import is_compiled, unwrap_compiled
+from ..workload import Workload
 from .selective import MATMUL_OPS
-from .workload import Workload
 
 __all__ = [
     "COMPILED_FORMS",
     "COMPILED_PLAN_NOTE",
     "compiled_notice",
     "eager_workload",
-    "is_compiled",
     "is_compiling",
     "run_compiled",
-    "unwrap_compiled",
 ]
 
 # What each policy becomes in a compiled region (reported by the handle and the notice).
@@ -62,21 +60,6 @@ COMPILED_PLAN_NOTE = (
 def is_compiling() -> bool:
     """True while dynamo traces the calling code."""
     return bool(torch.compiler.is_compiling())
-
-
-def is_compiled(model: nn.Module) -> bool:
-    """True for the module ``torch.compile(model)`` returns (an OptimizedModule)."""
-    return isinstance(getattr(model, "_orig_mod", None), nn.Module)
-
-
-def unwrap_compiled(model: nn.Module) -> nn.Module:
-    """The eager module inside ``torch.compile(model)`` (names as the user knows them); else ``model``.
-
-    Wrapping the inner module's blocks changes what the compiled module runs too: the compiled
-    module calls the same submodules, and dynamo's guards recompile when a block's forward changes.
-    """
-    inner = getattr(model, "_orig_mod", None)
-    return inner if isinstance(inner, nn.Module) else model
 
 
 def compiled_notice(policies: dict[str, str]) -> str:

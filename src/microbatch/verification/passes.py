@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .accumulate import Accumulator
-from .errors import WorkloadError
-from .verify_report import ParameterDifference
-from .workload import LossFn
+from ..accumulate.accumulator import Accumulator
+from ..errors import WorkloadError
+from ..workload import LossFn
+from .report import ParameterDifference
 
 Grads = dict[str, torch.Tensor]
 

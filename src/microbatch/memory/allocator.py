@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigError, InfeasibleBudgetError
+from ..errors import ConfigError, InfeasibleBudgetError
 
 MIN_BLOCK_BYTES = 512  # kMinBlockSize: every request is a multiple of this
 SMALL_REQUEST_BYTES = 1 << 20  # kSmallSize: largest request served by the small pool
@@ -358,7 +358,7 @@ def check_cuda_budget(
     budget_bytes: int, *, total_bytes: int, outside_bytes: int, name: str = "memory"
 ) -> None:
     """Refuse a budget above the device or within what the context and workspaces already take."""
-    from .memory import format_bytes
+    from .units import format_bytes
 
     if budget_bytes > total_bytes:
         raise ConfigError(

@@ -15,13 +15,13 @@ from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import distributed
-from .errors import ConfigError, UsageError
+from .. import distributed
+from ..errors import ConfigError, UsageError
 from .feed import Feed
 from .micro import Micro
 
 if TYPE_CHECKING:
-    from .accumulate import Accumulator
+    from .accumulator import Accumulator
 
 logger = logging.getLogger(__name__)
 

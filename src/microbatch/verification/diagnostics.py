@@ -27,21 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .batching import batch_size_of
-from .batchnorm import batchnorm_layers
-from .modules import modules_of_type
-from .verify_passes import (
-    Compared,
-    Difference,
-    Pass,
-    PerMicro,
-    compare,
-    run_accumulated,
-    run_full_batch,
-    run_loss,
-)
-from .verify_report import Diagnostic
-from .workload import LossFn
+from ..accumulate.batchnorm import batchnorm_layers
+from ..trees.batches import batch_size_of
+from ..trees.modules import modules_of_type
+from ..workload import LossFn
+from .passes import Compared, Difference, Pass, PerMicro, compare, run_accumulated, run_full_batch, run_loss
+from .report import Diagnostic
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from .errors import UsageError
+from ..errors import UsageError
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["WideGradients", "compute_dtype", "with_autocast"]
 

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from . import distributed
-from .errors import ConfigError
+from .. import distributed
+from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -44,10 +44,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import CheckpointError, ConfigError
+from ..trees.modules import ancestors, is_compiled, modules_of_type, unwrap_compiled
 from . import compiled
 from .auto_blocks import auto_blocks, describe_blocks
-from .errors import CheckpointError, ConfigError
-from .modules import ancestors, modules_of_type
 from .recompute import NORMS_WITH_RUNNING_STATS, RunningStatsGuard, cache_disabler, run_checkpointed
 from .selective import SelectivePlan
 
@@ -133,7 +133,7 @@ def _offload_saved_inputs(*, copy_host_tensors: bool = False) -> torch.autograd.
 
     Around a checkpoint call the only tensors saved here are the block's inputs (the checkpoint's
     own hooks take over inside the block). The copies run on a side stream, and backward prefetches
-    the next block's input (microbatch.offload). Host tensors stay as they are unless
+    the next block's input (microbatch.checkpointing.offload). Host tensors stay as they are unless
     ``copy_host_tensors`` (tests use it to exercise the round trip on CPU).
     """
     from .offload import saved_on_host
@@ -290,8 +290,8 @@ def checkpoint(
     Raises CheckpointError (unknown or nested blocks, nothing repeated for "auto", a block already
     checkpointed) or ConfigError (unknown policy); the model is untouched when it raises.
     """
-    compiled_model = compiled.is_compiled(model)
-    model = compiled.unwrap_compiled(model)  # names as in the eager model, not "_orig_mod."
+    compiled_model = is_compiled(model)
+    model = unwrap_compiled(model)  # names as in the eager model, not "_orig_mod."
     policies = _resolve_policies(model, blocks, policy)
     modules = dict(model.named_modules())
     for name in policies:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def first_tensor(batch: Any) -> torch.Tensor | None:

@@ -12,7 +12,7 @@ Memory is the nominal capacity in GiB (HBM and GDDR come in binary sizes); the d
 CUDA context take some of it, which the planner counts as ``context_bytes`` on CUDA targets: the
 allowance for what the caching allocator does not see (a round 512 MiB for presets, measured by
 ``DeviceSpec.measure()``). What the allocator does hold is predicted by replaying the simulated
-allocations through ``microbatch.allocator`` (see profile/reserved.py).
+allocations through ``microbatch.memory.allocator`` (see profile/reserved.py).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
+from ..errors import ConfigError
 from .allocator import outside_allocator_bytes
-from .errors import ConfigError
-from .memory import device_memory_bytes, format_bytes
+from .budget import device_memory_bytes
+from .units import format_bytes
 
 GIB = 1024**3
 TERA = 1e12

@@ -30,7 +30,7 @@ import math
 from collections.abc import Callable
 from typing import Literal
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 LRRule = Literal["linear", "sqrt"]
 LR_RULES: tuple[str, ...] = ("linear", "sqrt")

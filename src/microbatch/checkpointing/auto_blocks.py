@@ -23,8 +23,8 @@ from typing import Any
 
 from torch import nn
 
-from .errors import CheckpointError
-from .modules import is_inside
+from ..errors import CheckpointError
+from ..trees.modules import is_inside
 
 __all__ = ["auto_blocks", "describe_blocks"]
 

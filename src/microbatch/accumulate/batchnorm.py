@@ -13,8 +13,8 @@ from typing import cast
 
 from torch import nn
 
-from .errors import ConfigError
-from .modules import modules_of_type, replace_modules
+from ..errors import ConfigError
+from ..trees.modules import modules_of_type, replace_modules
 
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 _BATCHNORM = (_BatchNorm, nn.SyncBatchNorm)

@@ -59,3 +59,18 @@ def replace_modules(
 
     walk(model, "")
     return replaced
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """True for the module ``torch.compile(model)`` returns (an OptimizedModule)."""
+    return isinstance(getattr(model, "_orig_mod", None), nn.Module)
+
+
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """The eager module inside ``torch.compile(model)`` (names as the user knows them); else ``model``.
+
+    Wrapping the inner module's blocks changes what the compiled module runs too: the compiled
+    module calls the same submodules, and dynamo's guards recompile when a block's forward changes.
+    """
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else model

@@ -13,8 +13,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .compiled import is_compiled
-from .errors import ConfigError, UsageError
+from ..errors import ConfigError, UsageError
+from ..trees.modules import is_compiled
 from .units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class MemoryTracker:
         self._model = model
         self._optimizer = optimizer
         # With record_allocations: n >= 0 for a storage of n bytes first seen, -k when the k-th is
-        # freed (what microbatch.allocator.replay takes, to state the peak in CUDA reserved bytes).
+        # freed (what microbatch.memory.allocator.replay takes, to state the peak in CUDA reserved bytes).
         self.allocation_events: list[int] | None = [] if record_allocations else None
         self._allocations = 0
         self.peak_bytes = 0

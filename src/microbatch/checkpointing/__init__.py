@@ -1,0 +1,16 @@
+"""Apply: activation checkpointing per block, safe by default.
+
+Owns ``checkpoint(model, blocks, policy)`` and its handle (``api``), finding repeated blocks
+(``auto_blocks``), running one checkpointed block (``recompute``: BatchNorm statistics updated
+once, caches never written twice, the same dropout masks), the selective policy (``selective``),
+CPU offload (``offload``) and the forms each policy takes under torch.compile (``compiled``).
+
+May import: ``errors``, ``trees``, ``workload``. Never accumulation, the profile or the planner.
+Invariant: a checkpointed block gives the outputs, gradients and buffers of the plain block.
+"""
+
+from __future__ import annotations
+
+from .api import POLICIES, BlockSpec, CheckpointHandle, checkpoint, find_blocks
+
+__all__ = ["POLICIES", "BlockSpec", "CheckpointHandle", "checkpoint", "find_blocks"]

@@ -1,0 +1,71 @@
+"""Small collectives for control numbers (counts, flags, maxima).
+
+Every collective here runs on every rank at the same point of the loop, or it would hang.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from .process import is_initialized, world_size
+
+logger = logging.getLogger(__name__)
+
+ParallelKind = Literal["ddp", "fsdp"]
+
+
+# ---------------------------------------------------------------------- small collectives
+
+
+# The gloo group that carries control numbers beside an NCCL-only default group, by default group.
+_CONTROL_GROUPS: dict[int, Any] = {}
+
+
+def _control_group() -> Any | None:
+    """The group for control numbers, on CPU tensors so that no device work is waited for.
+
+    None (the default group) when that serves CPU tensors (gloo, or "cpu:gloo,cuda:nccl");
+    otherwise a gloo group over the same ranks, made at the first call. Every caller is itself a
+    collective that all ranks reach in the same order, which new_group requires.
+    """
+    if "gloo" in dist.get_backend_config():
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _CONTROL_GROUPS:
+        _CONTROL_GROUPS[key] = dist.new_group(backend="gloo")
+    return _CONTROL_GROUPS[key]
+
+
+def all_reduce_values(values: Sequence[float], *, op: Literal["sum", "max"] = "sum") -> list[float]:
+    """Sum (or max) a few numbers over all ranks in one float64 all_reduce; identity when not distributed.
+
+    The numbers travel as a CPU tensor on a gloo group (_control_group), never through a device.
+    float64 holds integer counts exactly up to 2**53, so global item counts stay exact.
+    """
+    if not is_initialized() or world_size() == 1:
+        return list(values)
+    tensor = torch.tensor(list(values), dtype=torch.float64)
+    dist.all_reduce(
+        tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=_control_group()
+    )
+    return [float(v) for v in tensor.tolist()]
+
+
+def all_reduce_max_(tensor: torch.Tensor) -> torch.Tensor:
+    """The element-wise max over ranks, in place, on the tensor's own device and the default group
+    (queued like any collective: the host does not wait). Identity when not distributed."""
+    if is_initialized() and world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def destroy() -> None:
+    """Leave the process group, if one was joined, and forget the control groups made on it."""
+    if is_initialized():
+        _CONTROL_GROUPS.clear()
+        dist.destroy_process_group()
