@@ -14,7 +14,7 @@ from microbatch import cli
 from microbatch.errors import ConfigError
 from microbatch.models.workloads import gpt_workload
 from microbatch.planner import FrontierPoint
-from microbatch.planner.plans import SHOWN_FRONTIER_ROWS
+from microbatch.planner.text import SHOWN_FRONTIER_ROWS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -93,7 +93,7 @@ def test_print_shows_at_most_ten_frontier_rows(nano_plan: mb.Plan) -> None:
     shown = [row for row in rows if row.strip() and not row.strip().startswith(("...", "note:"))]
     assert len(shown) == SHOWN_FRONTIER_ROWS
     assert sum(row.startswith("  *") for row in shown) == 1
-    assert "30 rows in all" in text
+    assert "30 frontier rows in all" in text
     assert len(plan.to_dict()["frontier"]) == 30
 
 

@@ -152,24 +152,38 @@ def _format_seconds(seconds: float) -> str:
 
 
 class ProgressLine:
-    """One line redrawn with \\r on a terminal; elsewhere a plain line every tenth of the run."""
+    """One line redrawn with \\r on a terminal; elsewhere a plain line every tenth of the run.
+
+    A validation loss computed at an earlier step is marked with that step ("val 3.142 (step 40)"),
+    and so is a peak measured at an earlier step; the peak says which micro-batches it is of, since
+    training's token-budget micro-batches usually peak below the plan's trial window of full rows.
+    """
 
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
         self.live = stream.isatty()
-        self.last_val_loss: float | None = None
+        self.last_val: tuple[int, float] | None = None  # (step, validation loss)
         self.width = 0
 
     def __call__(self, report: StepReport) -> None:
+        self._write(report, self.format(report))
+
+    def format(self, report: StepReport) -> str:
         if report.val_loss is not None:
-            self.last_val_loss = report.val_loss
+            self.last_val = (report.step, report.val_loss)
         filled = int(20 * report.step / report.total_steps)
-        val = f" | val {self.last_val_loss:.3f}" if self.last_val_loss is not None else ""
-        line = (
+        val = ""
+        if self.last_val is not None:
+            val_step, val_loss = self.last_val
+            val = f" | val {val_loss:.3f}" + (f" (step {val_step})" if val_step != report.step else "")
+        return (
             f"step {report.step}/{report.total_steps} [{'#' * filled}{'.' * (20 - filled)}] "
             f"loss {report.loss:.3f}{val} | {report.tokens_per_second:,.0f} tok/s | lr {report.lr:.2e} | "
-            f"peak {format_bytes(report.peak_bytes)} | ETA {_format_seconds(report.eta_seconds)}"
+            f"peak {format_bytes(report.peak_bytes)}{_peak_words(report)} | "
+            f"ETA {_format_seconds(report.eta_seconds)}"
         )
+
+    def _write(self, report: StepReport, line: str) -> None:
         if self.live:
             self.stream.write("\r" + line.ljust(self.width))
             self.width = len(line)
@@ -183,6 +197,13 @@ class ProgressLine:
         if self.live and self.width:
             self.stream.write("\n")
             self.width = 0
+
+
+def _peak_words(report: StepReport) -> str:
+    """' (step 50, micro-batches of <= 8192 tokens)': when the peak was measured and of what."""
+    words = [f"step {report.peak_step}"] if report.peak_step not in (None, report.step) else []
+    words += [report.peak_what] if report.peak_what else []
+    return f" ({', '.join(words)})" if words else ""
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:

@@ -303,5 +303,25 @@ def simulate_config_profile(
         optimizer_bytes=static.get("optimizer state", 0),
         step_peak_bytes=step_peak_bytes,
         step_seconds=step_seconds,
-        notes=(*profile.notes, f"simulated 2 of {layers} identical layers and repeated the second"),
+        notes=full_model_notes(profile, layers),
     )
+
+
+def full_model_notes(profile: Profile, layers: int) -> tuple[str, ...]:
+    """The notes of a profile simulated on two layers, stated for the whole model.
+
+    blocks='auto' ran on the two-layer model and said so ("picked 2 ... blocks"); the plan is for
+    all ``layers``, so the note names them all and says which were simulated.
+    """
+    blocks = [segment.name for segment in profile.blocks]
+    simulated = (
+        f"{blocks[0]} and {blocks[1]} simulated, the second's costs repeated for the other {layers - 2}"
+    )
+    notes = []
+    for note in profile.notes:
+        if note.startswith("blocks='auto' picked 2 "):
+            kind = note.split()[3]
+            note = f"blocks='auto' picked {layers} {kind} blocks ({blocks[0]} .. {blocks[-1]}); {simulated}"
+            simulated = ""
+        notes.append(note)
+    return (*notes, *([f"{layers} identical layers: {simulated}"] if simulated else []))

@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -24,20 +23,10 @@ from ..errors import ConfigError
 from ..memory import format_bytes
 from ..trees.batches import split_batch
 from ..trees.modules import unwrap_compiled
+from .text import NONE, plan_text, summarize_policies
 
-NONE = "none"
-# print(plan) shows this many frontier rows around the chosen one; to_dict() holds them all.
-SHOWN_FRONTIER_ROWS = 10
 # The attribute of a model that a plan's apply() marks (holding the checkpoint handle, or None).
 _APPLIED = "_microbatch_applied_plan"
-
-
-def summarize_policies(block_policies: Sequence[tuple[str, str]]) -> str:
-    """'full x3, none x9' (counts in block order of first appearance); 'no blocks' when empty."""
-    if not block_policies:
-        return "no blocks"
-    counts = Counter(policy for _, policy in block_policies)
-    return ", ".join(f"{policy} x{count}" for policy, count in counts.items())
 
 
 @dataclass(frozen=True)
@@ -342,87 +331,20 @@ class Plan:
         )
         if self.source == "manual":
             return f"{head}; manual plan (nothing predicted)"
-        measured = f", measured {format_bytes(self.measured_peak_bytes)}" if self.measured_peak_bytes else ""
+        measured = ""
+        if self.measured_peak_bytes:
+            rows = (
+                f"{self.micro_batch_size} full-length rows"
+                if self.max_tokens
+                else f"{self.micro_batch_size} rows"
+            )
+            measured = (
+                f", measured {format_bytes(self.measured_peak_bytes)} in the trial (micro-batches of {rows})"
+            )
         return (
             f"{head}; predicted peak {format_bytes(self.predicted_peak_bytes)}{measured} "
             f"of {format_bytes(self.budget_bytes)}"
         )
 
     def __str__(self) -> str:
-        sizes = self.micro_batch_sizes
-        split = f"{self.micro_batch_size} x {self.steps} steps"
-        if len(sizes) > 1 and sizes[-1] != sizes[0]:
-            split = f"{self.micro_batch_size} x {self.steps - 1} + {sizes[-1]} (steps={self.steps})"
-        ranks = f" x {self.world_size} ranks" if self.world_size > 1 else ""
-        measured = (
-            f", measured {format_bytes(self.measured_peak_bytes)}"
-            if self.measured_peak_bytes is not None
-            else ""
-        )
-        head = f"Plan for {self.workload}: batch {self.batch_size} = micro-batch {split}{ranks}"
-        if self.source == "manual":
-            return "\n".join(
-                [f"{head} (manual: nothing predicted)"]
-                + [f"  {name:<28} {policy}" for name, policy in self.block_policies]
-            )
-        lines = [
-            head,
-            f"  budget {format_bytes(self.budget_bytes)}: "
-            f"predicted peak {format_bytes(self.predicted_peak_bytes)}{measured}",
-            f"  predicted {self.predicted_seconds_per_step:.3g} s per optimizer step, "
-            f"{self.samples_per_second:.1f} samples/s",
-            *(
-                [f"  token budget: max_tokens={self.max_tokens} padded tokens per micro-batch"]
-                if self.max_tokens
-                else []
-            ),
-            "  peak = " + " + ".join(f"{name} {format_bytes(v)}" for name, v in self.peak_parts if v),
-            "",
-            f"  {'block':<28} policy",
-        ]
-        lines.extend(f"  {name:<28} {policy}" for name, policy in self.block_policies)
-        lines.extend(_report_lines(self))
-        lines.extend(self._frontier_lines())
-        lines.extend(f"note: {note}" for note in self.notes)
-        return "\n".join(lines)
-
-    def _frontier_lines(self) -> list[str]:
-        """At most SHOWN_FRONTIER_ROWS frontier rows, centred on the chosen plan."""
-        if not self.frontier:
-            return []
-        chosen_index = next(
-            (
-                index
-                for index, point in enumerate(self.frontier)
-                if point.micro_batch_size == self.micro_batch_size
-                and point.block_policies == self.block_policies
-            ),
-            0,
-        )
-        start = max(0, min(chosen_index - SHOWN_FRONTIER_ROWS // 2, len(self.frontier) - SHOWN_FRONTIER_ROWS))
-        shown = self.frontier[start : start + SHOWN_FRONTIER_ROWS]
-        lines = ["", "Frontier (no alternative is both faster and smaller; * = chosen):"]
-        lines.append(f"    {'micro':>6} {'steps':>6}  {'policies':<28} {'peak':>10} {'s/step':>9}")
-        for index, point in enumerate(shown, start=start):
-            lines.append(
-                f"  {'*' if index == chosen_index else ' '} {point.micro_batch_size:>6} {point.steps:>6}  "
-                f"{summarize_policies(point.block_policies):<28} "
-                f"{format_bytes(point.predicted_peak_bytes):>10} {point.seconds_per_step:>9.3g}"
-            )
-        if len(shown) < len(self.frontier):
-            lines.append(f"    ... {len(self.frontier)} rows in all (to_dict(), --json, --plot)")
-        return lines
-
-
-def _report_lines(plan: Plan) -> list[str]:
-    """A simulated or sharded plan's per-rank breakdown and the estimates beside it."""
-    lines: list[str] = []
-    if plan.simulated or plan.shard != "none":
-        what = "simulated" if plan.simulated else "profiled"
-        where = f"{what} on {plan.device_name}, shard {plan.shard}, {plan.world_size} ranks"
-        lines += ["", f"Per rank ({where}):"]
-        lines.extend(f"  {name:<52} {format_bytes(value):>10}" for name, value in plan.rank_parts if value)
-    if plan.estimates:
-        lines += ["", f"Beside other estimates (micro-batch {plan.micro_batch_size}, one rank, unsharded):"]
-        lines.extend(f"  {name:<52} {format_bytes(value):>10}" for name, value in plan.estimates)
-    return lines
+        return plan_text(self)

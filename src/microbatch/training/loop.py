@@ -66,6 +66,7 @@ class PeakMemory:
         self.source = "cuda-allocator" if session.device.type == "cuda" else "tracker"
         self.last_bytes = 0
         self.measured = False
+        self.measured_step: int | None = None  # the step last_bytes was measured on
 
     @contextlib.contextmanager
     def measure(self, step: int) -> Iterator[None]:
@@ -74,12 +75,14 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(device)
             yield
             self.last_bytes, self.measured = int(torch.cuda.max_memory_allocated(device)), True
+            self.measured_step = step
         elif step <= 2 or step % self.every == 0:
             with MemoryTracker(
                 device, model=self.session.raw_model, optimizer=self.session.optimizer
             ) as tracker:
                 yield
             self.last_bytes, self.measured = int(tracker.peak_bytes), True
+            self.measured_step = step
         else:
             yield
             self.measured = False
@@ -326,13 +329,15 @@ def run_windows(session: Session, *, progress: Callable[[StepReport], None] | No
             if stopping or last or session.step % checkpoint_interval == 0:
                 save(session)
             if distributed.is_rank_zero() and progress is not None:
-                progress(_step_report(session, record, seconds_per_step))
+                progress(_step_report(session, record, seconds_per_step, peak))
             if stopping and not last:
                 return Outcome(interrupted=True, stopped_by=signal_name, peak_source=peak.source)
     return Outcome(interrupted=False, stopped_by=None, peak_source=peak.source)
 
 
-def _step_report(session: Session, record: dict[str, Any], seconds_per_step: float) -> StepReport:
+def _step_report(
+    session: Session, record: dict[str, Any], seconds_per_step: float, peak: PeakMemory
+) -> StepReport:
     total = session.config.steps
     return StepReport(
         step=session.step,
@@ -343,4 +348,13 @@ def _step_report(session: Session, record: dict[str, Any], seconds_per_step: flo
         peak_bytes=record["peak_bytes"],
         eta_seconds=seconds_per_step * (total - session.step),
         val_loss=record.get("val_loss"),
+        peak_step=peak.measured_step,
+        peak_what=micro_batches_in_words(session),
     )
+
+
+def micro_batches_in_words(session: Session) -> str:
+    """What training's micro-batches are: by padded tokens, or rows of the plan's size."""
+    if session.token_steps is not None:
+        return f"micro-batches of <= {session.token_steps.max_tokens} tokens"
+    return f"micro-batches of {session.plan.micro_batch_size} rows"

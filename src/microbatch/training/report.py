@@ -14,7 +14,14 @@ from ..memory import format_bytes
 
 @dataclass(frozen=True)
 class StepReport:
-    """What the progress display gets after every optimizer step."""
+    """What the progress display gets after every optimizer step.
+
+    ``val_loss`` is set only on the steps that computed one. ``peak_bytes`` is the peak of step
+    ``peak_step`` (on CPU the tracker measures some steps only; the others repeat the latest), made
+    of the micro-batches ``peak_what`` names: training's own, which by tokens
+    (``micro-batches of <= N tokens``) are often smaller than the plan's trial window, whose rows are
+    all full length.
+    """
 
     step: int
     total_steps: int
@@ -24,6 +31,8 @@ class StepReport:
     peak_bytes: int
     eta_seconds: float
     val_loss: float | None
+    peak_step: int | None = None
+    peak_what: str = ""
 
 
 @dataclass(frozen=True)
