@@ -1,6 +1,6 @@
 """Exact gradient accumulation in an Accelerate training loop with microbatch.
 
-    pip install microbatch accelerate
+    pip install -e . accelerate                       # from the microbatch checkout
     python examples/accelerate_loop.py                # a second on a CPU
     accelerate launch examples/accelerate_loop.py     # several processes: DDP
 

@@ -1,6 +1,6 @@
 """Contrastive fine-tuning of a small text encoder at batch 256 on the memory of batch 16.
 
-    pip install 'microbatch[hf]'
+    pip install -e '.[hf]'                                  # from the microbatch checkout
     python examples/contrastive_finetune.py                 # a minute or so on a CPU
     python examples/contrastive_finetune.py --batch 512 --steps 20
 

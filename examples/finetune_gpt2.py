@@ -1,6 +1,6 @@
 """Fine-tune a tiny GPT-2 with a plan: exact token-level accumulation within a memory budget.
 
-    pip install 'microbatch[hf]'
+    pip install -e '.[hf]'                                 # from the microbatch checkout
     python examples/finetune_gpt2.py                       # a few seconds on a CPU
     python examples/finetune_gpt2.py --memory 8MiB --windows 20
 

@@ -1,6 +1,6 @@
 """Exact gradient accumulation in a Lightning module (manual optimization) with microbatch.
 
-    pip install microbatch lightning
+    pip install -e . lightning                        # from the microbatch checkout
     python examples/lightning_manual.py               # a second on a CPU
 
 Lightning's automatic accumulation (``accumulate_grad_batches``) divides every micro-batch's loss

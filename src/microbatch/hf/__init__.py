@@ -1,4 +1,4 @@
-"""Hugging Face transformers models under microbatch (``pip install 'microbatch[hf]'``).
+"""Hugging Face transformers models under microbatch (``pip install -e '.[hf]'`` in the checkout).
 
 ``causal_lm_workload(model, batches)`` makes a Workload whose loss is the model's own token mean
 with the count of shifted labels it averages over, so the Accumulator, ``verify`` and the planner

@@ -179,7 +179,8 @@ def build_model(fields: dict[str, Any], setup: ModelSetup) -> nn.Module:
         import transformers
     except ImportError as error:
         raise WorkloadError(
-            "planning a named architecture needs transformers: pip install 'microbatch[hf]'"
+            "planning a named architecture needs transformers: pip install 'transformers>=4.46' "
+            "(from the microbatch checkout: pip install -e '.[hf]')"
         ) from error
     settings = {key: value for key, value in fields.items() if key != "model_type"}
     config = transformers.AutoConfig.for_model(fields["model_type"], **settings)

@@ -32,7 +32,10 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError as error:
-        raise WorkloadError("this needs Hugging Face transformers: pip install 'microbatch[hf]'") from error
+        raise WorkloadError(
+            "this needs Hugging Face transformers: pip install 'transformers>=4.46' "
+            "(from the microbatch checkout: pip install -e '.[hf]')"
+        ) from error
     return transformers
 
 
