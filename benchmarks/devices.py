@@ -54,7 +54,9 @@ def plan_row(model: str, device: str, *, batch: int, seq_len: int, precision: st
     except InfeasibleBudgetError:
         # The least any plan needs: the search's minimum with no budget in the way (the error's own
         # minimum is only parameters + gradients when the planner refuses before searching).
-        needed = plan(workload, batch=batch, memory="1TiB", profile=profile, device=spec).minimum_bytes
+        # A budget above a preset's memory is refused, so the search runs on a copy with 1 TiB.
+        roomy = spec.replace(memory_bytes=2**40)
+        needed = plan(workload, batch=batch, memory="1TiB", profile=profile, device=roomy).minimum_bytes
         row.update(plan=f"none fits: needs {format_bytes(needed)}", peak_bytes=needed)
         row.update(seconds_per_step=None, formula_bytes=None, micro_batch_size=None)
     else:

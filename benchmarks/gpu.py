@@ -1,7 +1,7 @@
 """The GPU proof: budgets that hold in reserved memory, plan vs baselines, host syncs, offload, OOM.
 
     python benchmarks/gpu.py              # one CUDA GPU, under 8 minutes on a modern one
-    python benchmarks/gpu.py --dry-run    # anywhere (CPU), tiny sizes, under 2 minutes; CI runs it
+    python benchmarks/gpu.py --dry-run    # anywhere (CPU), tiny sizes, 2 budgets: proves it runs; CI runs it
 
 Writes the "GPU" section of benchmarks/RESULTS.md (unless --no-write / --json). Parts:
 
@@ -74,6 +74,7 @@ class Sizes:
     windows: int  # timed windows per mechanism (after one warm-up)
     profile_max: int
     names: tuple[str, str] = ("gpt-small", "llama-1b")
+    budgets: int = 4  # budgets per model, from the smallest plan to no checkpointing
 
 
 FULL = Sizes(
@@ -92,14 +93,17 @@ FULL = Sizes(
     windows=2,
     profile_max=16,
 )
+# The dry run only proves that every part runs (CI and tests run it on loaded machines): two blocks,
+# two budgets, one timed window each.
 DRY = Sizes(
-    gpt=GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=32, vocab_size=256, dropout=0.0),
-    llama={"hidden": 32, "intermediate": 64, "layers": 4, "heads": 4, "kv_heads": 2, "vocab": 256, "seq": 32},
+    gpt=GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=256, dropout=0.0),
+    llama={"hidden": 32, "intermediate": 64, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 256, "seq": 32},
     batch_gpt=8,
-    batch_llama=8,
+    batch_llama=4,
     windows=1,
     profile_max=4,
     names=("gpt-tiny (dry run)", "llama-tiny (dry run)"),
+    budgets=2,
 )
 
 
@@ -284,11 +288,11 @@ def finder(
 # ---------------------------------------------------------------------------------------- parts
 
 
-def budgets_of(profile: Any, batch: int, reserve: int) -> list[int]:
-    """Four budgets from just above the smallest plan to just above no checkpointing, reserve included."""
+def budgets_of(profile: Any, batch: int, reserve: int, count: int = 4) -> list[int]:
+    """``count`` budgets from just above the smallest plan to just above no checkpointing (reserve in)."""
     low = search(profile, per_rank_batch=batch, capacity_bytes=math.inf).minimum.peak_bytes * 1.03
     high = Model(profile).evaluate([batch], {}).peak_bytes * 1.05
-    return [int(reserve + low + (high - low) * k / 3) for k in range(4)]
+    return [int(reserve + low + (high - low) * k / (count - 1)) for k in range(count)]
 
 
 def part_budgets(
@@ -301,7 +305,7 @@ def part_budgets(
     every = dict.fromkeys(blocks, "full")
     segments = max(1, round(math.sqrt(len(blocks)))) if hasattr(workload.model, "blocks") else 0
     accuracy, speed = [], []
-    for budget in budgets_of(profile, batch, reserve):
+    for budget in budgets_of(profile, batch, reserve, sizes.budgets):
         chosen = plan(workload, batch=batch, memory=budget, profile=profile)
         ran = run_windows(workload, chosen.micro_batch_sizes, chosen.policies, sizes.windows)
         measured = (ran.reserved_bytes if ran.reserved_bytes is not None else ran.allocated_bytes) + reserve

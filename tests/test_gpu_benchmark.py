@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# A hang guard, not a speed limit: the dry run takes well under a minute on a quiet 2-core machine
+# (benchmarks/RESULTS.md), so only a hang comes near this, however loaded the machine is.
+HANG_GUARD_SECONDS = 3600
 
 
 @pytest.mark.slow
@@ -22,7 +25,7 @@ def test_gpu_benchmark_dry_run() -> None:
         [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--dry-run", "--json"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_GUARD_SECONDS,
         env=env,
         check=False,
     )

@@ -18,7 +18,9 @@ NONE_X4 = tuple((f"blocks.{i}", "none") for i in range(4))
 FULL_X4 = tuple((f"blocks.{i}", "full") for i in range(4))
 
 
-def planned(frontier: tuple[FrontierPoint, ...], *, micro: int, policies: tuple[tuple[str, str], ...]) -> mb.Plan:
+def planned(
+    frontier: tuple[FrontierPoint, ...], *, micro: int, policies: tuple[tuple[str, str], ...]
+) -> mb.Plan:
     manual = mb.Plan.manual(batch_size=64, micro_batch_size=micro, policies=dict(policies))
     return dataclasses.replace(
         manual,
@@ -30,7 +32,9 @@ def planned(frontier: tuple[FrontierPoint, ...], *, micro: int, policies: tuple[
     )
 
 
-def point(micro: int, policies: tuple[tuple[str, str], ...], peak_mib: float, seconds: float) -> FrontierPoint:
+def point(
+    micro: int, policies: tuple[tuple[str, str], ...], peak_mib: float, seconds: float
+) -> FrontierPoint:
     return FrontierPoint(micro, -(-64 // micro), policies, int(peak_mib * 2**20), seconds)
 
 

@@ -31,7 +31,7 @@ def test_presets_have_published_figures() -> None:
         assert spec.memory_bytes > 0 and spec.memory_bytes_per_second > 0
         # Tensor cores: 16-bit at least as fast as TF32, TF32 at least as fast as plain float32.
         assert spec.flops(torch.bfloat16) >= spec.flops(torch.float32, tf32=True) >= spec.flops(torch.float32)
-    assert presets["h100-80gb"].memory_bytes == 80 * 1024**3
+    assert presets["h100-80gb"].memory_bytes == 81559 * 1024**2  # nvidia-smi: 81559MiB
     assert presets["h200"].memory_bytes_per_second > presets["h100-80gb"].memory_bytes_per_second
 
 

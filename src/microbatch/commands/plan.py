@@ -21,6 +21,7 @@ from ..memory.device_specs import device_spec, devices
 from ..planner import plan
 from ..planner.plot import save_frontier_plot
 from ..planner.ranks import SHARDS
+from ..planner.simulated import target_budget
 from ..workload import BUILTIN_WORKLOADS, load_workload
 
 
@@ -112,6 +113,8 @@ def _architecture(args: argparse.Namespace, policies: list[str] | None, progress
     setup = ModelSetup(
         seq_len=args.seq_len, precision=args.precision, optimizer=args.optimizer, lora_rank=args.lora_rank
     )
+    spec = device_spec(args.device)
+    target_budget(args.memory, spec, None)  # a budget the preset cannot hold: refused before simulating
     per_rank = max(1, args.batch // max(1, args.world_size))
     # Identical layers with three options each cost the exact solver O(L^2) partial plans per
     # layer; none and full keep it O(L). --policies none,full,selective adds selective.
@@ -119,7 +122,7 @@ def _architecture(args: argparse.Namespace, policies: list[str] | None, progress
     return simulate_config_profile(
         args.model,
         setup,
-        device_spec(args.device),
+        spec,
         max_micro_batch_size=min(per_rank, 16),
         policies=policies,
         progress=progress,

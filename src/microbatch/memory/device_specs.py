@@ -8,8 +8,11 @@ for PCIe cards). Peaks are upper bounds that real kernels reach 50-80 % of, so a
 them gives a lower bound on time; ``DeviceSpec.measure()`` fills a spec from a short matmul and
 copy benchmark on a device that is present, which brings the figures down to what is reachable.
 
-Memory is the nominal capacity in GiB (HBM and GDDR come in binary sizes); the driver and the
-CUDA context take some of it, which the planner counts as ``context_bytes`` on CUDA targets: the
+Memory is what the card reports as its total (``nvidia-smi``'s memory.total, which is
+``torch.cuda.get_device_properties().total_memory``), not the marketing size: an "80 GB" H100
+reports 81,559 MiB (79.6 GiB), so an 80 GiB budget is refused on the preset as on the card. Each
+preset's ``source`` names where its figure comes from. The driver and the CUDA context take some
+of it, which the planner counts as ``context_bytes`` on CUDA targets: the
 allowance for what the caching allocator does not see (a round 512 MiB for presets, measured by
 ``DeviceSpec.measure()``). What the allocator does hold is predicted by replaying the simulated
 allocations through ``microbatch.memory.allocator`` (see profile/reserved.py).
@@ -30,6 +33,7 @@ from .budget import device_memory_bytes
 from .units import format_bytes
 
 GIB = 1024**3
+MIB = 1024**2
 TERA = 1e12
 GIGA = 1e9
 # What a CUDA process holds outside the caching allocator (measured on recent drivers with lazy
@@ -184,18 +188,19 @@ def _best_seconds(work: Any, device: torch.device, repeats: int) -> float:
 
 def _gpu(
     name: str,
-    memory_gib: float,
+    memory_mib: int,
     fp32: float,
     tf32: float,
     bf16: float,
     bandwidth_gbs: float,
     link: str,
     link_gbs: float,
+    memory_source: str,
 ) -> DeviceSpec:
     return DeviceSpec(
         name=name,
         kind="cuda",
-        memory_bytes=int(memory_gib * GIB),
+        memory_bytes=memory_mib * MIB,
         flops_fp32=fp32 * TERA,
         flops_tf32=tf32 * TERA,
         flops_bf16=bf16 * TERA,
@@ -203,6 +208,7 @@ def _gpu(
         memory_bytes_per_second=bandwidth_gbs * GIGA,
         interconnect=link,
         interconnect_bytes_per_second=link_gbs * GIGA,
+        source=f"published figures; memory {memory_mib:,} MiB as nvidia-smi reports it ({memory_source})",
     )
 
 
@@ -210,15 +216,33 @@ def _gpu(
 # GeForce white papers: 16-bit tensor rates with FP32 accumulation, as PyTorch uses them).
 # Interconnect: NVLink 4 (H100 / H200) 900 GB/s and NVLink 3 (A100) 600 GB/s both directions
 # together, so 450 and 300 per direction; PCIe 4.0 x16 32 GB/s per direction.
+# Memory: nvidia-smi's memory.total of each card (MiB), from public reports:
+_H100_SMI = "nvidia-smi in NVIDIA/nccl#1264 and modal-labs/modal-client#2797: 81559MiB"
+_H200_SMI = "nvidia-smi of H200 SXM nodes, driver 570.158.01, in public logs: 143771MiB"
+_A100_80_SMI = "modal-labs/modal-client#2797: 81920MiB; A800-SXM4-80GB the same in dexmal/dexbotic#41"
+_A100_40_SMI = "modal-labs/modal-client#2797: 40960MiB"
+_L4_SMI = "modal-labs/modal-client#2797: 23034MiB"
+_RTX4090_SMI = "nvidia-smi in RLinf/RLinf#255: 24564MiB"
+_RTX3090_SMI = "nvidia-smi in noonghunna/club-3090#390: 24576MiB"
 _PRESETS = (
-    _gpu("h100-80gb", 80, 66.9, 494.7, 989.4, 3350, "NVLink 4", 450),
-    _gpu("h200", 141, 66.9, 494.7, 989.4, 4800, "NVLink 4", 450),
-    _gpu("a100-80gb", 80, 19.5, 156, 312, 2039, "NVLink 3", 300),
-    _gpu("a100-40gb", 40, 19.5, 156, 312, 1555, "NVLink 3", 300),
-    _gpu("l4", 24, 30.3, 60, 121, 300, "PCIe 4.0 x16", 32),
-    _gpu("rtx4090", 24, 82.6, 82.6, 165.2, 1008, "PCIe 4.0 x16", 32),
-    _gpu("rtx3090", 24, 35.6, 35.6, 71, 936, "PCIe 4.0 x16", 32),
+    _gpu("h100-80gb", 81559, 66.9, 494.7, 989.4, 3350, "NVLink 4", 450, _H100_SMI),
+    _gpu("h200", 143771, 66.9, 494.7, 989.4, 4800, "NVLink 4", 450, _H200_SMI),
+    _gpu("a100-80gb", 81920, 19.5, 156, 312, 2039, "NVLink 3", 300, _A100_80_SMI),
+    _gpu("a100-40gb", 40960, 19.5, 156, 312, 1555, "NVLink 3", 300, _A100_40_SMI),
+    _gpu("l4", 23034, 30.3, 60, 121, 300, "PCIe 4.0 x16", 32, _L4_SMI),
+    _gpu("rtx4090", 24564, 82.6, 82.6, 165.2, 1008, "PCIe 4.0 x16", 32, _RTX4090_SMI),
+    _gpu("rtx3090", 24576, 35.6, 35.6, 71, 936, "PCIe 4.0 x16", 32, _RTX3090_SMI),
 )
+
+
+def check_preset_budget(budget_bytes: int, spec: DeviceSpec, *, name: str = "memory") -> None:
+    """Refuse a budget above ``spec``'s total memory, as a present device's is refused."""
+    if budget_bytes > spec.memory_bytes:
+        raise ConfigError(
+            f"{name}={format_bytes(budget_bytes)} is above {spec.name}'s total memory "
+            f"{format_bytes(spec.memory_bytes)} ({spec.memory_bytes // MIB:,} MiB, what the card reports); "
+            f"give at most {format_bytes(spec.memory_bytes)}, or a fraction such as 0.9 of it"
+        )
 
 
 def _cpu_preset() -> DeviceSpec:

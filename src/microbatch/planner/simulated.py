@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ConfigError
 from ..memory import format_bytes, parse_bytes
-from ..memory.device_specs import DeviceSpec, device_spec, devices
+from ..memory.device_specs import DeviceSpec, check_preset_budget, device_spec, devices
 from ..profile.costs import Profile
 from ..profile.simulate import simulate_profile
 from ..workload import Workload
@@ -71,8 +71,12 @@ def profile_for(
     return real(workload, **options)
 
 
-def target_budget(memory: str | int | float, spec: DeviceSpec | None, workload: Workload) -> int:
-    """``memory`` in bytes; a fraction (0.8, "0.8") is of the spec's memory when simulating."""
+def target_budget(memory: str | int | float, spec: DeviceSpec | None, workload: Workload | None) -> int:
+    """``memory`` in bytes; a fraction (0.8, "0.8") is of the spec's memory when simulating.
+
+    A budget above the spec's memory is refused (check_preset_budget). ``workload`` (its device
+    for a fraction of free memory) is needed only without a spec.
+    """
     if spec is not None:
         fraction = None
         if isinstance(memory, float) and not isinstance(memory, bool) and 0 < memory <= 1:
@@ -81,8 +85,10 @@ def target_budget(memory: str | int | float, spec: DeviceSpec | None, workload: 
             fraction = float(memory)
         if fraction is not None:
             return int(fraction * spec.memory_bytes)
-        return parse_bytes(memory, name="memory")
-    return parse_bytes(memory, device=workload.device, name="memory")
+        budget_bytes = parse_bytes(memory, name="memory")
+        check_preset_budget(budget_bytes, spec)
+        return budget_bytes
+    return parse_bytes(memory, device=workload.device if workload is not None else None, name="memory")
 
 
 def _precision(workload: Workload) -> str:
