@@ -383,6 +383,6 @@ def test_bad_arguments_and_workloads(capsys) -> None:
         verify(not_finite, batch=8, steps=2)
 
     assert main(["verify", "no-such-model"]) == 2
-    assert "unknown workload" in capsys.readouterr().err
+    assert "unknown model" in capsys.readouterr().err
     assert main(["verify", "seed-linear", "--batch", "2", "--steps", "4"]) == 2
     assert "steps (4) must be <= batch (2)" in capsys.readouterr().err

@@ -10,6 +10,7 @@ by its function, with the traceback under --verbose. Exit statuses are in EXIT_S
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import os
@@ -25,17 +26,21 @@ from .errors import MicrobatchError
 
 # name -> one-line help; the module is microbatch.commands.<name>
 COMMANDS: dict[str, str] = {
-    "train": "train the built-in GPT (or a workload) with a plan for this machine's memory",
+    "train": "train a built-in GPT size with a plan for this machine's memory",
     "plan": "choose micro-batch size, accumulation steps and checkpointing for a memory budget",
     "verify": "check that accumulated gradients equal the full-batch gradient",
     "bench": "run the benchmark suites and write benchmarks/RESULTS.md",
 }
 
 
+# Each command's help ends with its own exit statuses (its module's EXIT_STATUS); `microbatch --help`
+# with all of them.
 EXIT_STATUS = (
-    "Exit status: 0 done (verify: the gradients agree); 1 verify: the accumulated gradient differs from "
-    "the full batch's; 2 a usage mistake or an error raised by your own code (run with -v/--verbose for "
-    "its traceback); 3 an internal error of microbatch (a bug: the traceback is printed); 130 interrupted."
+    "Exit status: 0 done; 1 verify: the accumulated gradient differs from the full batch's, bench: a "
+    "suite failed; 2 a usage mistake or an error raised by your own code (run with -v/--verbose for its "
+    "traceback); 3 an internal error of microbatch (a bug: the traceback is printed); 130 interrupted "
+    "(train: 130 on SIGINT, 143 on SIGTERM, the checkpoint saved). `microbatch COMMAND --help` gives "
+    "each command's own."
 )
 INTERNAL_ERROR = 3
 
@@ -51,10 +56,39 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         module = importlib.import_module(f"microbatch.commands.{name}")
-        sub = subparsers.add_parser(name, help=help_text, description=help_text, epilog=EXIT_STATUS)
+        sub = subparsers.add_parser(name, help=help_text, description=help_text, epilog=module.EXIT_STATUS)
         module.add_arguments(sub)
         sub.set_defaults(_run=module.run)
     return parser
+
+
+def parse_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, with "did you mean --memory?" for a mistyped option.
+
+    argparse names an unknown option but suggests nothing before Python 3.14 (suggest_on_error),
+    and a mistyped required option is reported as missing. So the options after the command are
+    checked first against the command's own (an unambiguous prefix is one, as argparse allows).
+    """
+    command_name = next((word for word in argv if word in COMMANDS), None)
+    command = _subcommand(parser, command_name)
+    if command is not None and command_name is not None:
+        options = [option for action in command._actions for option in action.option_strings]
+        for word in argv[argv.index(command_name) + 1 :]:
+            key = word.split("=")[0]
+            if not key.startswith("--") or key == "--" or any(option.startswith(key) for option in options):
+                continue
+            close = difflib.get_close_matches(key, options, n=1)
+            if close:
+                command.error(f"unrecognized argument {word} (did you mean {close[0]}?)")
+    return parser.parse_args(argv)
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            chosen: argparse.ArgumentParser = action.choices[name]
+            return chosen
+    return None
 
 
 class _CurrentStderrHandler(logging.StreamHandler):
@@ -81,7 +115,7 @@ def _configure_logging(verbose: bool) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    args = parse_arguments(parser, list(argv) if argv is not None else sys.argv[1:])
     if args.command is None:
         parser.print_help()
         return 2

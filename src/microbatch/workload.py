@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import logging
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +21,8 @@ from torch import nn
 
 from .errors import WorkloadError
 from .memory.optimizer_state import fresh_optimizer_like
+
+logger = logging.getLogger(__name__)
 
 LossFn = Callable[[nn.Module, Any], "tuple[torch.Tensor, int | float | torch.Tensor]"]
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
@@ -127,21 +132,53 @@ BUILTIN_WORKLOADS: dict[str, tuple[str, str]] = {
         "small causal language model on variable-length padded sequences (token-mean loss)",
     ),
     "cnn-bn": ("microbatch.models.workloads:cnn_bn", "small CNN with BatchNorm on generated images"),
-    "gpt-mini": (
-        "microbatch.models.workloads:gpt_mini",
-        "built-in byte-level GPT (gpt-mini) on the stdlib corpus",
-    ),
+    # The GPT sizes `microbatch train --model` takes (models.gpt.GPT_SIZES; a test keeps them equal).
+    **{
+        size: (
+            f"microbatch.models.workloads:{size.replace('-', '_')}",
+            f"built-in byte-level GPT ({size}) on the stdlib corpus",
+        )
+        for size in ("gpt-nano", "gpt-mini", "gpt-12l", "gpt-small", "gpt-medium")
+    },
 }
+
+
+def _import_module(module_name: str, spec: str) -> Any:
+    """``module_name`` imported; when it is not on sys.path but in the current directory, from there.
+
+    ``python -m microbatch`` puts the current directory on sys.path and the ``microbatch`` script does
+    not, so ``microbatch verify mymod:mlp`` beside mymod.py would fail where python -m works: the
+    current directory is searched as python -m searches it, and a log line says so.
+    """
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        top = module_name.split(".")[0]
+        here = os.getcwd()
+        beside = os.path.isfile(os.path.join(here, f"{top}.py")) or os.path.isdir(os.path.join(here, top))
+        if error.name != top or not beside or here in sys.path:
+            hint = (
+                f"; neither sys.path nor the current directory {here} holds {top}.py or a package {top}/"
+                if error.name == top
+                else ""
+            )
+            raise WorkloadError(
+                f"cannot import module {module_name!r} for workload {spec!r}: {error}{hint}"
+            ) from error
+        logger.info(
+            "workload %s: importing %s from the current directory %s (as python -m does)", spec, top, here
+        )
+        sys.path.insert(0, here)
+        return importlib.import_module(module_name)
+    except ImportError as error:
+        raise WorkloadError(f"cannot import module {module_name!r} for workload {spec!r}: {error}") from error
 
 
 def _call_factory(target: str, spec: str) -> Workload:
     module_name, _, function_name = target.partition(":")
     if not module_name or not function_name:
         raise WorkloadError(f"workload {spec!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise WorkloadError(f"cannot import module {module_name!r} for workload {spec!r}: {error}") from error
+    module = _import_module(module_name, spec)
     factory = getattr(module, function_name, None)
     if not callable(factory):
         raise WorkloadError(f"module {module_name!r} has no function {function_name!r} (workload {spec!r})")
@@ -154,15 +191,28 @@ def _call_factory(target: str, spec: str) -> Workload:
     return workload
 
 
+def unknown_model_message(spec: str, *, more: dict[str, list[str]] | None = None) -> str:
+    """'unknown model X. Did you mean Y? ...' listing every form a model name can take.
+
+    ``more``: other named lists the caller accepts (the command line adds the embedded
+    architectures, which live in a higher layer); every name is offered for "did you mean".
+    """
+    lists = {"built-in workloads": list(BUILTIN_WORKLOADS), **(more or {})}
+    names = [name for values in lists.values() for name in values]
+    close = difflib.get_close_matches(spec, names, n=3, cutoff=0.6)
+    hint = f" Did you mean {' or '.join(close)}?" if close else ""
+    forms = "; ".join(f"{what}: {', '.join(values)}" for what, values in lists.items())
+    return (
+        f"unknown model {spec!r}.{hint} Give one of the {forms}; or a path to a Hugging Face config.json; "
+        "or 'package.module:function' returning a microbatch.Workload (searched on sys.path and in the "
+        "current directory)"
+    )
+
+
 def load_workload(spec: str) -> Workload:
     """A Workload from a built-in name (see BUILTIN_WORKLOADS) or 'package.module:function'."""
     if spec in BUILTIN_WORKLOADS:
         return _call_factory(BUILTIN_WORKLOADS[spec][0], spec)
     if ":" in spec:
         return _call_factory(spec, spec)
-    close = difflib.get_close_matches(spec, list(BUILTIN_WORKLOADS), n=3)
-    hint = f" Did you mean {', '.join(close)}?" if close else ""
-    raise WorkloadError(
-        f"unknown workload {spec!r}.{hint} Built-in workloads: {', '.join(BUILTIN_WORKLOADS)}; "
-        "or give 'package.module:function' returning a microbatch.Workload"
-    )
+    raise WorkloadError(unknown_model_message(spec))

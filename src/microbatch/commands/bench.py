@@ -49,6 +49,12 @@ NOT_SUITES = frozenset({"results", "conftest"})
 DEFAULT_TIMEOUT_SECONDS = 3600.0
 
 
+EXIT_STATUS = (
+    "Exit status: 0 every suite ran; 1 a suite failed (its error is in the report); 2 a usage mistake; "
+    "3 an internal error of microbatch; 130 interrupted."
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "suites",

@@ -10,7 +10,6 @@ from typing import Any
 
 from ..errors import ConfigError, UsageError
 from ..hf.configs import (
-    ARCHITECTURES,
     OPTIMIZERS,
     PRECISIONS,
     ModelSetup,
@@ -22,16 +21,17 @@ from ..planner import plan
 from ..planner.plot import save_frontier_plot
 from ..planner.ranks import SHARDS
 from ..planner.simulated import target_budget
-from ..workload import BUILTIN_WORKLOADS, load_workload
+from .models import load_named_workload, model_help
+
+EXIT_STATUS = (
+    "Exit status: 0 a plan was found (printed, or saved with --out); 2 a usage mistake, a budget no "
+    "plan fits (the message names the least that would) or an error raised by your own code "
+    "(-v/--verbose shows its traceback); 3 an internal error of microbatch; 130 interrupted."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model",
-        metavar="MODEL",
-        help=f"a built-in workload ({', '.join(BUILTIN_WORKLOADS)}), package.module:function returning one, "
-        f"a Hugging Face config.json, or an architecture ({', '.join(ARCHITECTURES)})",
-    )
+    parser.add_argument("model", metavar="MODEL", help=model_help(architectures=True))
     parser.add_argument(
         "--batch", type=int, required=True, help="effective batch per optimizer step, all ranks"
     )
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         workload, profile = _architecture(args, policies, progress)
         device = device_spec(args.device)  # "cpu" too means the preset: the weights are fake
     else:
-        workload = load_workload(args.model)
+        workload = load_named_workload(args.model, architectures=True)
     try:
         result = plan(
             workload,

@@ -45,6 +45,14 @@ _CONFIG_FLAGS = (
 )
 
 
+EXIT_STATUS = (
+    "Exit status: 0 the run finished; 2 a usage mistake (a flag, a plan or a budget that does not fit) "
+    "or a training error such as non-finite gradients (-v/--verbose shows a traceback); 3 an internal "
+    "error of microbatch; 130 stopped by SIGINT (Ctrl-C) and 143 by SIGTERM, the checkpoint saved and "
+    "the resume command printed."
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = (
@@ -69,7 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_run_arguments(add: Any) -> None:
-    add("--model", help=f"built-in model size: {', '.join(GPT_SIZES)} (default {_DEFAULTS.model})")
+    add(
+        "--model",
+        help=f"a built-in GPT size: {', '.join(GPT_SIZES)} (default {_DEFAULTS.model}); the same names "
+        "work in microbatch plan and verify, which also take your own workload (package.module:function)",
+    )
     add(
         "--batch",
         type=int,

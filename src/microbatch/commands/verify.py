@@ -12,24 +12,22 @@ import json
 import torch
 
 from ..verification.check import verify
-from ..workload import BUILTIN_WORKLOADS, load_workload
+from .models import load_named_workload, model_help
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
 AUTOCAST: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+EXIT_STATUS = (
+    "Exit status: 0 when the accumulated gradient equals the full-batch gradient within the "
+    "tolerance, 1 when it differs (the diagnostics say why), 2 for a usage mistake or an error "
+    "raised by your own code (named in one line; -v/--verbose shows its traceback), 3 for an "
+    "internal error of microbatch, 130 interrupted."
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = (
-        "Exit status: 0 when the accumulated gradient equals the full-batch gradient within the "
-        "tolerance, 1 when it differs (the diagnostics say why), 2 for a usage mistake or an error "
-        "raised by your own code (named in one line; -v/--verbose shows its traceback), 3 for an "
-        "internal error of microbatch."
-    )
-    parser.add_argument(
-        "model",
-        metavar="MODEL",
-        help=f"a built-in workload ({', '.join(BUILTIN_WORKLOADS)}) or 'package.module:function'",
-    )
+    parser.add_argument("model", metavar="MODEL", help=model_help(architectures=False))
     parser.add_argument("--batch", type=int, default=32, help="full batch size (default 32)")
     parser.add_argument("--steps", type=int, default=4, help="micro-batches it is cut into (default 4)")
     parser.add_argument(
@@ -55,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    workload = load_workload(args.model)
+    workload = load_named_workload(args.model, architectures=False)
     report = verify(
         workload,
         batch=args.batch,

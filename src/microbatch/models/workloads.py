@@ -72,6 +72,26 @@ def gpt_mini() -> Workload:
     return gpt_workload("gpt-mini")
 
 
+def gpt_nano() -> Workload:
+    """The built-in GPT gpt-nano on the stdlib corpus."""
+    return gpt_workload("gpt-nano")
+
+
+def gpt_12l() -> Workload:
+    """The built-in GPT gpt-12l on the stdlib corpus."""
+    return gpt_workload("gpt-12l")
+
+
+def gpt_small() -> Workload:
+    """The built-in GPT gpt-small on the stdlib corpus."""
+    return gpt_workload("gpt-small")
+
+
+def gpt_medium() -> Workload:
+    """The built-in GPT gpt-medium on the stdlib corpus."""
+    return gpt_workload("gpt-medium")
+
+
 class VarlenTokens:
     """Random byte sequences of random lengths in [min_length, block_size], padded like ByteBatches."""
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..memory import format_bytes
 
-if TYPE_CHECKING:
-    from .plans import Plan
+# The functions take a plans.Plan; typed Any because plans.py imports this module (no circle).
+Plan = Any
 
 NONE = "none"
 # print(plan) shows this many frontier rows around the chosen one; to_dict() holds them all.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 from collections.abc import Callable
@@ -111,16 +112,25 @@ def _check_finite(config: TrainConfig) -> None:
         raise ConfigError(f"max_grad_norm must be positive or None, got {config.max_grad_norm}")
 
 
+def train_model_message(name: str) -> str:
+    """Why train refuses ``name``: it trains the built-in GPT sizes; did you mean one of them."""
+    close = difflib.get_close_matches(name, list(GPT_SIZES), n=2)
+    hint = f" Did you mean {' or '.join(close)}?" if close else ""
+    return (
+        f"--model {name!r}: microbatch train trains the built-in GPT sizes only ({', '.join(GPT_SIZES)}) "
+        f"on the embedded corpus.{hint} Your own workload (package.module:function) or an architecture "
+        f"is for `microbatch plan {name} ...` and `microbatch verify {name}`; train it in your own loop "
+        "with plan.apply(model, optimizer) (README, The loop)"
+    )
+
+
 def validate_config(config: TrainConfig) -> None:
     """Raise ConfigError / WorkloadError naming the flag for any setting a run cannot use."""
     _check_finite(config)
     if isinstance(config.batch, bool) or not isinstance(config.batch, int) or config.batch <= 0:
         raise ConfigError(f"--batch must be a positive number of sequences, got {config.batch!r}")
     if config.model not in GPT_SIZES:
-        raise WorkloadError(
-            f"--model {config.model!r} is not a built-in model; "
-            f"the built-in models are: {', '.join(GPT_SIZES)}"
-        )
+        raise WorkloadError(train_model_message(config.model))
     for ok, message in _flag_checks(config):
         if not ok:
             raise ConfigError(message)
