@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
@@ -22,6 +21,7 @@ from ..planner.plot import save_frontier_plot
 from ..planner.ranks import SHARDS
 from ..planner.simulated import target_budget
 from .models import load_named_workload, model_help
+from .output import dumps
 
 EXIT_STATUS = (
     "Exit status: 0 a plan was found (printed, or saved with --out); 2 a usage mistake, a budget no "
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         save_frontier_plot(result, args.plot)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(dumps(result.to_dict()))
     else:
         print(result)
         if args.plot:

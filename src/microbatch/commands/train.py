@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shlex
 import sys
@@ -21,6 +20,7 @@ from ..training.plan import CUDA_FREE_MEMORY_FRACTION
 from ..training.run_folder import latest_run_dir
 from ..training.signals import exit_status
 from ..training.tokens import parse_max_tokens
+from .output import dumps
 
 _DEFAULTS = TrainConfig()
 # Flags that map one to one onto TrainConfig fields (argparse dest == field name).
@@ -272,7 +272,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         output: dict[str, Any] = summary.to_dict()
         output["wall_seconds"] = time.perf_counter() - started
-        print(json.dumps(output, indent=2, sort_keys=True))
+        print(dumps(output, sort_keys=True))
     else:
         print(summary)
         print(f"plan: {Plan.from_dict(summary.plan).headline()}")

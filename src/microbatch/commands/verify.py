@@ -7,12 +7,12 @@ say why), 2 for a usage mistake or an error in the user's own code, 3 for an int
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 from ..verification.check import verify
 from .models import load_named_workload, model_help
+from .output import dumps
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
 AUTOCAST: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -63,5 +63,5 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         autocast=AUTOCAST[args.autocast] if args.autocast else None,
     )
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report)
+    print(dumps(report.to_dict()) if args.json else report)
     return 0 if report.equivalent else 1
