@@ -57,3 +57,21 @@ def test_budget_below_the_loss_phase_is_infeasible_and_says_the_minimum() -> Non
         )
     assert caught.value.minimum_bytes > 10_000
     assert set(caught.value.parts) == {"weights_bytes", "loss_phase_bytes", "encode_phase_bytes"}
+
+
+def test_a_batch_that_fits_whole_is_planned_without_caching() -> None:
+    model, encode, loss_fn = setup()
+    batch = make_batch(BATCH, seed=1)
+    full = measured_peak(model, lambda: loss_fn(encode(batch)).backward())
+    budget = 4 * full  # the whole batch fits with room to spare (issue 25: it recommended caching)
+    plan = mb.plan_cached(
+        encode, loss_fn, lambda b: make_batch(b, seed=1), batch=BATCH, memory=budget, model=model
+    )
+    assert not plan.caching and plan.micro_batch_size == BATCH
+    assert plan.extra_forward_fraction == 0.0
+    assert plan.seconds_per_step == plan.full_batch_seconds_per_step
+    assert plan.predicted_peak_bytes == plan.full_batch_peak_bytes
+    assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= budget
+    assert plan.measured_peak_bytes == pytest.approx(full, rel=0.15)
+    assert str(plan).startswith(f"no gradient caching needed: batch {BATCH} fits whole")
+    assert all(p.grad is None for p in model.parameters())

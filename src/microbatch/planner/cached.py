@@ -51,12 +51,23 @@ class CachedPlan:
     seconds_per_step: float  # predicted, cached
     full_batch_seconds_per_step: float  # predicted, whole batch at once
     extra_forward_fraction: float  # the cost of caching: time of the extra forward passes / plain step
+    caching: bool = True  # False: the whole batch fits at once, the plain step is the plan
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def __str__(self) -> str:
         measured = f", measured {format_bytes(self.measured_peak_bytes)}" if self.measured_peak_bytes else ""
+        if not self.caching:
+            return "\n".join(
+                [
+                    f"no gradient caching needed: batch {self.batch} fits whole in the budget "
+                    f"{format_bytes(self.budget_bytes)}",
+                    f"  peak {format_bytes(self.predicted_peak_bytes)} predicted{measured} for the plain "
+                    "step loss(encode(batch)).backward(), at its own speed "
+                    f"({self.seconds_per_step:.3g} s/step; caching would add one forward per sample)",
+                ]
+            )
         return "\n".join(
             [
                 f"cached_backward: batch {self.batch} encoded in micro-batches of {self.micro_batch_size} "
@@ -222,6 +233,9 @@ def plan_cached(
                     f"make_batch({batch}) returned {batch_size_of(full)} samples; it must return {batch}"
                 )
             measured = _measure(encode, loss, full, model)
+            plain = _plain_step(encode, loss, full, model, measured, budget, trial)
+            if plain is not None:
+                return plain
             candidates = sorted(
                 {2**k for k in range(batch.bit_length()) if 2**k <= batch} | {batch}, reverse=True
             )
@@ -246,6 +260,40 @@ def plan_cached(
     finally:
         for parameter, grad in saved_grads.items():
             parameter.grad = grad
+
+
+def _plain_step(
+    encode: Callable[[Any], Any],
+    loss: Callable[[Any], torch.Tensor],
+    full: Any,
+    model: torch.nn.Module,
+    measured: _Measured,
+    budget: int,
+    trial: bool,
+) -> CachedPlan | None:
+    """The plan without caching when the whole batch is predicted (and, with ``trial``, measured) to
+    fit: the plain step has the same gradient without the extra forward. None otherwise."""
+    batch = batch_size_of(full)
+    predicted = _predict(measured, batch, batch, budget)
+    plain_bytes = predicted["full_batch_peak_bytes"]
+    if plain_bytes > budget:
+        return None
+    measured_bytes = None
+    if trial:
+        with MemoryTracker(_device(model), model=model) as tracker:
+            loss(encode(full)).backward()
+        if tracker.peak_bytes > budget:
+            logger.info(
+                "cached plan: the whole batch measured %s, over the budget", format_bytes(tracker.peak_bytes)
+            )
+            return None
+        measured_bytes = tracker.peak_bytes
+    predicted.update(
+        predicted_peak_bytes=plain_bytes,
+        seconds_per_step=predicted["full_batch_seconds_per_step"],
+        extra_forward_fraction=0.0,
+    )
+    return CachedPlan(measured_peak_bytes=measured_bytes, caching=False, **predicted)
 
 
 def _prove(
