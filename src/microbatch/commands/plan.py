@@ -22,6 +22,7 @@ from ..planner.ranks import SHARDS
 from ..planner.simulated import target_budget
 from .models import load_named_workload, model_help
 from .output import dumps
+from .progress import PlanningBar
 
 EXIT_STATUS = (
     "Exit status: 0 a plan was found (printed, or saved with --out); 2 a usage mistake, a budget no "
@@ -73,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _add_device_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr while planning")
     parser.add_argument("--plot", metavar="PATH", help="draw the frontier (peak vs time per step) to PATH")
     parser.add_argument(
         "--out",
@@ -104,7 +106,7 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _architecture(args: argparse.Namespace, policies: list[str] | None, progress: _Progress) -> Any:
+def _architecture(args: argparse.Namespace, policies: list[str] | None, progress: PlanningBar | None) -> Any:
     """The full model's workload and its simulated profile, for a named architecture or config.json."""
     if args.device is None:
         raise UsageError(
@@ -127,28 +129,6 @@ def _architecture(args: argparse.Namespace, policies: list[str] | None, progress
         policies=policies,
         progress=progress,
     )
-
-
-class _Progress:
-    """One line on stderr, rewritten in place on a terminal."""
-
-    def __init__(self) -> None:
-        self.interactive = sys.stderr.isatty()
-        self.last = ""
-        self.quarter = -1
-
-    def __call__(self, what: str, done: int, total: int) -> None:
-        line = f"planning: {what} [{done}/{total}]" if total > 1 else f"planning: {what}"
-        if self.interactive:
-            print(f"\r{line:<78}", end="", file=sys.stderr, flush=True)
-        elif total <= 1 or done * 4 // total != self.quarter:  # in a log: the start and each quarter
-            self.quarter = done * 4 // total if total > 1 else -1
-            print(line, file=sys.stderr)
-        self.last = line
-
-    def close(self) -> None:
-        if self.interactive and self.last:
-            print("\r" + " " * 78 + "\r", end="", file=sys.stderr, flush=True)
 
 
 def _check_output(flag: str, path: str | None) -> None:
@@ -192,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         "auto" if args.blocks == "auto" else [name.strip() for name in args.blocks.split(",") if name.strip()]
     )
     policies = None if args.policies is None else [p.strip() for p in args.policies.split(",") if p.strip()]
-    progress = _Progress()
+    progress = PlanningBar(sys.stderr) if not args.no_progress else None
     profile = None
     device = args.device
     if is_architecture(args.model):
@@ -219,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
             shard=args.shard,
         )
     finally:
-        progress.close()
+        if progress is not None:
+            progress.close()
     if args.out:
         result.save(args.out)
     if args.plot:

@@ -21,6 +21,7 @@ from ..training.run_folder import latest_run_dir
 from ..training.signals import exit_status
 from ..training.tokens import parse_max_tokens
 from .output import dumps
+from .progress import PlanningBar
 
 _DEFAULTS = TrainConfig()
 # Flags that map one to one onto TrainConfig fields (argparse dest == field name).
@@ -154,7 +155,7 @@ def _add_output_arguments(add: Any) -> None:
         "the default) or off (fixed rows); the same gradient with less padding",
     )
     add("--json", action="store_true", help="print the summary as JSON on stdout")
-    add("--no-progress", action="store_true", help="no progress line on stderr")
+    add("--no-progress", action="store_true", help="no progress bars on stderr (planning, training)")
 
 
 def _format_seconds(seconds: float) -> str:
@@ -260,9 +261,10 @@ def _run(args: argparse.Namespace) -> int:
     config = build_config(args)
     rank_zero = distributed.is_rank_zero()
     progress = ProgressLine(sys.stderr) if rank_zero and not args.no_progress else None
+    planning = PlanningBar(sys.stderr) if rank_zero and not args.no_progress else None
     started = time.perf_counter()
     try:
-        summary = train(config, progress=progress)
+        summary = train(config, progress=progress, plan_progress=planning)
     finally:
         if progress is not None:
             progress.close()

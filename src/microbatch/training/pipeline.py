@@ -21,7 +21,7 @@ from .. import distributed
 from ..models.corpus import load_corpus
 from .config import TrainConfig, validate_config
 from .loop import Outcome, run_windows
-from .plan import plan_for_run, planning_workload, resolve_device
+from .plan import PlanProgress, plan_for_run, planning_workload, resolve_device
 from .ranks import on_rank_zero
 from .report import StepReport, TrainSummary, whole_run_totals
 from .run_folder import (
@@ -42,11 +42,18 @@ from .start import RunStart, open_run
 logger = logging.getLogger(__name__)
 
 
-def train(config: TrainConfig, *, progress: Callable[[StepReport], None] | None = None) -> TrainSummary:
+def train(
+    config: TrainConfig,
+    *,
+    progress: Callable[[StepReport], None] | None = None,
+    plan_progress: PlanProgress | None = None,
+) -> TrainSummary:
     """Train as ``config`` says and write the run folder (see microbatch.training).
 
-    ``progress`` is called on rank 0 after every optimizer step. Raises microbatch errors for bad
-    settings (before anything is written) and ResumeError for a checkpoint that cannot be resumed.
+    ``progress`` is called on rank 0 after every optimizer step; ``plan_progress(what, done, total)``
+    while the planner profiles and proves the plan (rank 0, before the first step). Raises
+    microbatch errors for bad settings (before anything is written) and ResumeError for a
+    checkpoint that cannot be resumed.
 
     The run draws its random numbers (dropout) from torch's global generator seeded with ``seed``
     (plus the rank) and restored afterwards, so two runs with one seed agree and the caller's
@@ -59,7 +66,7 @@ def train(config: TrainConfig, *, progress: Callable[[StepReport], None] | None 
         if device.type == "cuda":
             torch.cuda.set_device(device)
         start = open_run(config)
-        session = _start_session(config, start, device)
+        session = _start_session(config, start, device, plan_progress)
         try:
             outcome = run_windows(session, progress=progress)
         finally:
@@ -69,13 +76,17 @@ def train(config: TrainConfig, *, progress: Callable[[StepReport], None] | None 
         return finish(session, outcome)
 
 
-def _start_session(config: TrainConfig, start: RunStart, device: torch.device) -> Session:
+def _start_session(
+    config: TrainConfig, start: RunStart, device: torch.device, plan_progress: PlanProgress | None = None
+) -> Session:
     """Plan (rank 0; the others receive the plan), create the run folder, build or restore the session."""
     raw_model = build_model(config, device)
     documents = load_corpus(max_bytes=config.corpus_bytes).train
     workload = planning_workload(config, raw_model, documents, device)
     plan = on_rank_zero(
-        lambda: plan_for_run(config, workload, saved=start.saved_plan, saved_config=start.saved_config)
+        lambda: plan_for_run(
+            config, workload, saved=start.saved_plan, saved_config=start.saved_config, progress=plan_progress
+        )
     )
     raw_model.zero_grad(set_to_none=True)
     if start.state is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from ..planner import Plan, plan, prove
 from ..trees.batches import move_batch
 from ..workload import Workload
 from .config import TrainConfig
+
+# progress(what, done, total) while the planner profiles and proves (mb.plan's progress=).
+PlanProgress = Callable[[str, int, int], None]
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +111,10 @@ def loaded_plan(config: TrainConfig, workload: Workload, path: str) -> Plan:
     return prove(loaded, workload) if config.trial else loaded
 
 
-def planned(config: TrainConfig, workload: Workload, *, memory_bytes: int) -> Plan:
-    """The planner's plan for this run's batch, budget and processes."""
+def planned(
+    config: TrainConfig, workload: Workload, *, memory_bytes: int, progress: PlanProgress | None = None
+) -> Plan:
+    """The planner's plan for this run's batch, budget and processes; ``progress`` as mb.plan's."""
     policies = None if config.checkpoint_policy == "auto" else [config.checkpoint_policy]
     try:
         return plan(
@@ -118,6 +124,7 @@ def planned(config: TrainConfig, workload: Workload, *, memory_bytes: int) -> Pl
             world_size=distributed.world_size(),
             policies=policies,
             trial=config.trial,
+            progress=progress,
         )
     except InfeasibleBudgetError as error:
         raise InfeasibleBudgetError(
@@ -128,13 +135,15 @@ def planned(config: TrainConfig, workload: Workload, *, memory_bytes: int) -> Pl
         ) from error
 
 
-def choose_plan(config: TrainConfig, workload: Workload, *, memory_bytes: int) -> Plan:
+def choose_plan(
+    config: TrainConfig, workload: Workload, *, memory_bytes: int, progress: PlanProgress | None = None
+) -> Plan:
     """The plan for a new run: from ``--plan``, from ``--micro-batch``, or from the planner."""
     if config.plan is not None:
         return loaded_plan(config, workload, config.plan)
     if config.micro_batch is not None:
         return manual_plan(config, workload, micro_batch=config.micro_batch, memory_bytes=memory_bytes)
-    return planned(config, workload, memory_bytes=memory_bytes)
+    return planned(config, workload, memory_bytes=memory_bytes, progress=progress)
 
 
 def plan_without(config: TrainConfig, workload: Workload, failed: Plan) -> Plan:
@@ -171,6 +180,7 @@ def plan_for_run(
     *,
     saved: Plan | None = None,
     saved_config: TrainConfig | None = None,
+    progress: PlanProgress | None = None,
 ) -> Plan:
     """A new run's plan; a resumed run's saved plan, or a new one when ``--memory`` / ``--plan`` changed.
 
@@ -185,4 +195,5 @@ def plan_for_run(
             config.memory,
             saved_config.memory,
         )
-    return choose_plan(config, workload, memory_bytes=memory_budget_bytes(config.memory, workload.device))
+    memory_bytes = memory_budget_bytes(config.memory, workload.device)
+    return choose_plan(config, workload, memory_bytes=memory_bytes, progress=progress)
