@@ -236,14 +236,7 @@ def plan_cached(
             plain = _plain_step(encode, loss, full, model, measured, budget, trial)
             if plain is not None:
                 return plain
-            candidates = sorted(
-                {2**k for k in range(batch.bit_length()) if 2**k <= batch} | {batch}, reverse=True
-            )
-            fitting = [
-                m
-                for m in candidates
-                if _predict(measured, batch, m, budget)["predicted_peak_bytes"] <= budget
-            ]
+            fitting = _fitting_sizes(measured, batch, budget)
             if not fitting:
                 smallest = _predict(measured, batch, 1, budget)
                 need = format_bytes(smallest["predicted_peak_bytes"])
@@ -260,6 +253,12 @@ def plan_cached(
     finally:
         for parameter, grad in saved_grads.items():
             parameter.grad = grad
+
+
+def _fitting_sizes(measured: _Measured, batch: int, budget: int) -> list[int]:
+    """Powers of two up to the batch (and the batch), largest first, predicted to fit ``budget``."""
+    candidates = sorted({2**k for k in range(batch.bit_length()) if 2**k <= batch} | {batch}, reverse=True)
+    return [m for m in candidates if _predict(measured, batch, m, budget)["predicted_peak_bytes"] <= budget]
 
 
 def _plain_step(
