@@ -262,8 +262,9 @@ def _check_not_checkpointed(modules: Mapping[str, nn.Module], name: str) -> None
 
 def _turn_off_hf_checkpointing(model: nn.Module) -> None:
     """transformers' own gradient checkpointing off: with ours on top, blocks would recompute twice."""
-    # transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_* (old names warn)
-    new_names = hasattr(type(model), "is_activation_checkpointing")
+    # transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_* (old names warn).
+    # Asked of the instance, not its class: a peft model forwards both names to the model it wraps.
+    new_names = hasattr(model, "is_activation_checkpointing")
     prefix = "activation" if new_names else "gradient"
     if getattr(model, f"is_{prefix}_checkpointing", False) is True:
         getattr(model, f"{prefix}_checkpointing_disable")()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -203,8 +204,21 @@ def _lora(model: nn.Module, rank: int) -> nn.Module:
         raise ConfigError("lora_rank needs peft: pip install peft (or plan without --lora-rank)") from error
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     targets = [name for name in LORA_TARGETS if name in present]
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0)
-    with torch.device("meta"):
+    # GPT-2's projections are transformers' Conv1D (weights stored in x out): peft needs
+    # fan_in_fan_out=True for them, and warns and sets it itself otherwise.
+    conv1d = any(
+        type(module).__name__ == "Conv1D" and name.rsplit(".", 1)[-1] in targets
+        for name, module in model.named_modules()
+    )
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0, fan_in_fan_out=conv1d
+    )
+    with torch.device("meta"), warnings.catch_warnings():
+        # peft's PeftModel reads transformers' deprecated is_gradient_checkpointing itself
+        # (peft 0.21 with transformers 5): a FutureWarning no user of microbatch can act on.
+        warnings.filterwarnings(
+            "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
         wrapped: Any = peft.get_peft_model(model, config)
     return wrapped if isinstance(wrapped, nn.Module) else model
 
