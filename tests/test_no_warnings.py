@@ -26,7 +26,7 @@ EXAMPLES = {
     "contrastive_finetune.py": ["--batch", "32", "--fits", "8", "--steps", "2"],
 }
 COMMANDS = {
-    "train": ["train", "--model", "gpt-nano", "--batch", "8", "--memory", "3MiB", "--steps", "2"],
+    "train": ["train", "--model", "gpt-nano", "--batch", "8", "--micro-batch", "4", "--steps", "2"],
     "plan": ["plan", "gpt-nano", "--batch", "8", "--memory", "3MiB"],
     "plan-lora": [
         "plan", "gpt2", "--device", "rtx4090", "--lora-rank", "4", "--batch", "4", "--seq-len", "64",
