@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# A hang guard, not a speed limit: the dry run takes well under a minute on a quiet 2-core machine
-# (benchmarks/RESULTS.md), so only a hang comes near this, however loaded the machine is.
+# A hang guard, not a speed limit: the dry run needs about 90 s of CPU (measured: 4.3 min of wall time
+# on the shared 2-core machine at load 5-7), so only a hang comes near this, however loaded it is.
 HANG_GUARD_SECONDS = 3600
 
 
