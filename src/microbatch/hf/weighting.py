@@ -88,6 +88,35 @@ def count_items_rule(model: nn.Module) -> ItemCounter:
     return count
 
 
+# TRL DPO losses that are a mean over the batch's pairs of a per-pair term (dpo_trainer.py, TRL 1.16):
+# these are exact when each micro-batch's mean is weighted by its pairs. "sft" is a mean over the chosen
+# completions' tokens (a token count would be needed), "aot" / "aot_unpaired" sort the scores across
+# the batch, so a micro-batch's loss is no part of the full batch's.
+PER_PAIR_DPO_LOSSES = frozenset(
+    {"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
+     "apo_down", "discopop", "sigmoid_norm"}
+)  # fmt: skip
+
+
+def _count_pairs(inputs: Mapping[str, Any]) -> torch.Tensor:
+    """A preference batch stacks the chosen rows over the rejected ones: half its rows are pairs."""
+    return torch.tensor(inputs["input_ids"].shape[0] // 2)
+
+
+def _trainer_counter(trainer: Any) -> ItemCounter:
+    """The item rule for ``trainer``: pairs for TRL's DPOTrainer, else ``count_items_rule``."""
+    if not count_is_pairs(trainer):
+        return count_items_rule(trainer.model)
+    loss_types = set(getattr(trainer, "loss_types", None) or [getattr(trainer.args, "loss_type", "sigmoid")])
+    if not loss_types <= PER_PAIR_DPO_LOSSES:
+        raise ConfigError(
+            f"DPOConfig.loss_type {sorted(loss_types - PER_PAIR_DPO_LOSSES)} is not a mean over pairs "
+            "('sft' averages tokens, 'aot' sorts across the batch), so a micro-batch's loss is no part of the "
+            f"full batch's; use one of {sorted(PER_PAIR_DPO_LOSSES)} or fit_trainer(exact=False)"
+        )
+    return _count_pairs
+
+
 def _window_items(trainer: Any, batches: list[Any], count: ItemCounter, device: Any) -> torch.Tensor:
     """N: the items of the window's micro-batches, summed over every rank."""
     local = sum((count(batch).to(torch.float64) for batch in batches), torch.zeros((), dtype=torch.float64))
@@ -110,6 +139,7 @@ def check_exact_supported(trainer: Any) -> None:
             "pass exact=False to fit_trainer to keep it, or remove it to let microbatch weight the model's "
             "loss"
         )
+    _trainer_counter(trainer)  # refuses a preference loss that is no mean over pairs
 
 
 def exact_loss_weighting(trainer: Any, *, count_items: ItemCounter | None = None) -> str:
@@ -121,7 +151,7 @@ def exact_loss_weighting(trainer: Any, *, count_items: ItemCounter | None = None
     instance's ``compute_loss`` and ``_get_num_items_in_batch``. Returns the sentence it logs.
     """
     check_exact_supported(trainer)
-    count = count_items or count_items_rule(trainer.model)
+    count = count_items or _trainer_counter(trainer)
     world_size = int(getattr(trainer.args, "world_size", 1))
     compute_loss = trainer.compute_loss  # the class's (TRL's SFTTrainer has its own)
 
@@ -145,7 +175,7 @@ def exact_loss_weighting(trainer: Any, *, count_items: ItemCounter | None = None
     trainer.loss_is_scaled_for_ga = True
     trainer.compute_loss = weighted_compute_loss
     trainer._get_num_items_in_batch = get_num_items_in_batch
-    items = _describe(trainer.model) if count_items is None else "count_items"
+    items = "count_items" if count_items is not None else _describe(trainer)
     note = (
         "microbatch weights the Trainer's loss: each micro-batch's mean x its items / the window's items "
         f"across {world_size} rank(s) (items: {items}); the model is no longer given num_items_in_batch"
@@ -154,7 +184,13 @@ def exact_loss_weighting(trainer: Any, *, count_items: ItemCounter | None = None
     return note
 
 
-def _describe(model: nn.Module) -> str:
-    if _shifts_labels(model):
+def count_is_pairs(trainer: Any) -> bool:
+    return type(trainer).__name__ == "DPOTrainer"
+
+
+def _describe(trainer: Any) -> str:
+    if count_is_pairs(trainer):
+        return "preference pairs"
+    if _shifts_labels(trainer.model):
         return "shifted labels != -100"
     return "labels != -100"
