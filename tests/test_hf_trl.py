@@ -17,16 +17,14 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from microbatch import hf
+from microbatch.errors import ConfigError
+
+transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 tokenizers = pytest.importorskip("tokenizers")
-
-import transformers
-
-from microbatch import hf
-from microbatch.errors import ConfigError
 
 TOL = {"rtol": 1e-6, "atol": 1e-8}
 # DPO sums log-probabilities over whole completions through the same float32 fused head before the
@@ -54,7 +52,7 @@ def _rows(count: int, *, mask: str | None) -> dict[str, list[list[int]]]:
         columns[mask] = []
     for _ in range(count):
         length = int(torch.randint(5, 17, (1,), generator=generator))
-        ids = torch.randint(3, VOCAB, (length,), generator=generator).tolist() + [EOS]
+        ids = [*torch.randint(3, VOCAB, (length,), generator=generator).tolist(), EOS]
         columns["input_ids"].append(ids)
         if mask:
             prompt = int(torch.randint(1, length - 1, (1,), generator=generator))

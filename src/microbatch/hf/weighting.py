@@ -111,8 +111,8 @@ def _trainer_counter(trainer: Any) -> ItemCounter:
     if not loss_types <= PER_PAIR_DPO_LOSSES:
         raise ConfigError(
             f"DPOConfig.loss_type {sorted(loss_types - PER_PAIR_DPO_LOSSES)} is not a mean over pairs "
-            "('sft' averages tokens, 'aot' sorts across the batch), so a micro-batch's loss is no part of the "
-            f"full batch's; use one of {sorted(PER_PAIR_DPO_LOSSES)} or fit_trainer(exact=False)"
+            "('sft' averages tokens, 'aot' sorts across the batch), so a micro-batch's loss is no part of "
+            f"the full batch's; use one of {sorted(PER_PAIR_DPO_LOSSES)} or fit_trainer(exact=False)"
         )
     return _count_pairs
 
