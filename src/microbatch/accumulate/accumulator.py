@@ -43,6 +43,7 @@ from .. import distributed
 from ..errors import ConfigError, UsageError
 from ..trees.batches import batch_size_of
 from .batchnorm import batchnorm_layers, corrected_momentum
+from .foreign import refuse_foreign_accumulation
 from .iteration import iterate_windows
 from .micro import (
     Micro,
@@ -103,6 +104,7 @@ class Accumulator:
         accumulate_dtype: torch.dtype | None = None,
     ) -> None:
         _check_options(model, optimizer, steps, max_grad_norm)
+        refuse_foreign_accumulation(optimizer)  # Accelerate's own accumulation would drop our steps
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
