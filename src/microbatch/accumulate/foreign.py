@@ -21,8 +21,8 @@ def refuse_foreign_accumulation(optimizer: Any) -> None:
     accelerate_steps = getattr(gradient_state, "num_steps", 1)
     if isinstance(accelerate_steps, int) and accelerate_steps > 1:
         raise ConfigError(
-            f"the optimizer was prepared by an Accelerator with gradient_accumulation_steps={accelerate_steps}: "
-            "it would skip the Accumulator's steps (the short last window's too). Let one of them accumulate: "
-            "Accelerator(gradient_accumulation_steps=1) with microbatch.Accumulator(steps=...), or Accelerate "
-            "alone"
+            "the optimizer was prepared by an Accelerator with "
+            f"gradient_accumulation_steps={accelerate_steps}: it would skip the Accumulator's steps (the "
+            "short last window's too). Let one of them accumulate: Accelerator(gradient_accumulation_steps=1) "
+            "with microbatch.Accumulator(steps=...), or Accelerate alone"
         )
