@@ -23,6 +23,7 @@ def refuse_foreign_accumulation(optimizer: Any) -> None:
         raise ConfigError(
             "the optimizer was prepared by an Accelerator with "
             f"gradient_accumulation_steps={accelerate_steps}: it would skip the Accumulator's steps (the "
-            "short last window's too). Let one of them accumulate: Accelerator(gradient_accumulation_steps=1) "
+            "short last window's too). Let one of them accumulate: "
+            "Accelerator(gradient_accumulation_steps=1) "
             "with microbatch.Accumulator(steps=...), or Accelerate alone"
         )
