@@ -3,8 +3,8 @@
 A tiny BERT SentenceTransformer (config + word-level vocab saved to a temporary folder, nothing
 downloaded; dropout 0, as the full batch draws other masks than micro-batches do, and the replay of
 dropout is tested in tests/test_cached.py), float64, batch 24 of (anchor, positive) pairs of
-different lengths in micro-batches of 8 (so padding is trimmed per micro-batch). Reference: MultipleNegativesRankingLoss on the whole batch
-at once, backpropagated in the test. rtol 1e-9, atol 1e-12 (float64 rounding; a loss computed per
+different lengths in micro-batches of 8 (so padding is trimmed per micro-batch). Reference:
+MultipleNegativesRankingLoss on the whole batch at once, backpropagated in the test. rtol 1e-9, atol 1e-12 (float64 rounding; a loss computed per
 micro-batch, with 7 negatives instead of 23, misses by tens of percent).
 """
 
@@ -32,7 +32,8 @@ def tiny_sentence_transformer(folder: Path) -> Any:
     transformers.BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
     config = transformers.BertConfig(
         vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )  # fmt: skip
     torch.manual_seed(0)
     transformers.BertModel(config).save_pretrained(folder)
