@@ -5,7 +5,8 @@ downloaded; dropout 0, as the full batch draws other masks than micro-batches do
 dropout is tested in tests/test_cached.py), float64, batch 24 of (anchor, positive) pairs of
 different lengths in micro-batches of 8 (so padding is trimmed per micro-batch). Reference:
 MultipleNegativesRankingLoss on the whole batch at once, backpropagated in the test. rtol 1e-9,
-atol 1e-12 (float64 rounding; a loss computed per micro-batch, with 7 negatives instead of 23, misses by tens of percent).
+atol 1e-12 (float64 rounding; a loss computed per micro-batch, with 7 negatives instead of 23,
+misses by tens of percent).
 """
 
 from __future__ import annotations
