@@ -352,6 +352,37 @@ def _check_ranks(run: _Run) -> None:
     run.grad_scale = float(distributed.world_size())  # DDP averages: sum_r g_r = W * mean_r g_r
 
 
+def cached_representations(
+    encode: Encode,
+    batch: Any,
+    *,
+    micro_batch_size: int,
+    model: nn.Module | None = None,
+    gather: bool | None = None,
+) -> Any:
+    """``encode(batch)``'s representations, computed ``micro_batch_size`` rows at a time without a graph.
+
+    Their backward re-encodes each micro-batch (step 3 of the module docstring). Steps 1 and 3 of
+    ``cached_loss`` alone: a loss over several calls' representations (one per tower or column, each
+    encoded apart, so only one tower's micro-batch of activations is alive at a time) is exact too.
+    """
+    _check_arguments(encode, len, micro_batch_size)
+    if not torch.is_grad_enabled():
+        raise UsageError(
+            "cached_backward / cached_loss was called under torch.no_grad(): call it with grad enabled"
+        )
+    total = batch_size_of(batch)
+    micro_batches = split_batch(batch, micro_batch_sizes(total, micro_batch_size))
+    run = _Run(encode=encode, micro_batches=micro_batches, model=model, gather=_should_gather(gather))
+    if run.gather:
+        _check_ranks(run)
+    elif model is not None and distributed.data_parallel_kind(model) == "fsdp":
+        raise ConfigError("cached_backward does not support FSDP2 models; use DDP (model=the DDP module)")
+    anchor = torch.empty(0, requires_grad=True)
+    flat = _CachedEncode.apply(anchor, run)
+    return _unflatten(_structure_of(run), flat)
+
+
 def cached_loss(
     encode: Encode,
     batch: Any,
@@ -368,20 +399,9 @@ def cached_loss(
     this returns, the re-encode passes run in that backward. See ``cached_backward`` for arguments.
     """
     _check_arguments(encode, loss, micro_batch_size)
-    if not torch.is_grad_enabled():
-        raise UsageError(
-            "cached_backward / cached_loss was called under torch.no_grad(): call it with grad enabled"
-        )
-    total = batch_size_of(batch)
-    micro_batches = split_batch(batch, micro_batch_sizes(total, micro_batch_size))
-    run = _Run(encode=encode, micro_batches=micro_batches, model=model, gather=_should_gather(gather))
-    if run.gather:
-        _check_ranks(run)
-    elif model is not None and distributed.data_parallel_kind(model) == "fsdp":
-        raise ConfigError("cached_backward does not support FSDP2 models; use DDP (model=the DDP module)")
-    anchor = torch.empty(0, requires_grad=True)
-    flat = _CachedEncode.apply(anchor, run)
-    representations = _unflatten(_structure_of(run), flat)
+    representations = cached_representations(
+        encode, batch, micro_batch_size=micro_batch_size, model=model, gather=gather
+    )
     value = loss(representations)
     if not isinstance(value, torch.Tensor):
         raise ConfigError(f"loss(representations) must return a tensor, got {type(value).__name__}")

@@ -4,9 +4,10 @@ A drop-in loss for SentenceTransformer training (``SentenceTransformerTrainer(lo
 ``model.fit``): ``CachedSentenceLoss(model, MultipleNegativesRankingLoss(model), micro_batch_size=16)``
 computes the wrapped loss over the whole batch, so every sample keeps all the batch's negatives, while
 the encoder sees ``micro_batch_size`` rows at a time, through ``microbatch.cached_backward``'s
-gradient caching (``accumulate.cached``): encode every micro-batch without a graph, the loss and its
-gradient at the embeddings, then re-encode each micro-batch with its RNG state and backpropagate its
-slice. The gradient is the full batch's (dropout included).
+gradient caching (``accumulate.cached.cached_representations``, one column at a time): encode every
+micro-batch without a graph, the loss and its gradient at the embeddings, then re-encode each
+micro-batch with its RNG state and backpropagate its slice.
+The gradient is the full batch's (dropout included).
 
 The wrapped loss must offer ``compute_loss_from_embeddings(embeddings, labels)`` (MNRL, GISTEmbed,
 MultipleNegativesSymmetricRankingLoss and the others built on it do). Like sentence-transformers' own
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..accumulate.cached import cached_loss
+from ..accumulate.cached import cached_representations
 from ..errors import ConfigError
 
 __all__ = ["CachedSentenceLoss", "trim_padding"]
@@ -66,22 +67,27 @@ class CachedSentenceLoss(nn.Module):
         self.loss = loss
         self.micro_batch_size = micro_batch_size
 
-    def _encode(self, micro: tuple[dict[str, Any], ...]) -> tuple[torch.Tensor, ...]:
-        return tuple(self.model(trim_padding(features))["sentence_embedding"] for features in micro)
+    def _encode(self, features: dict[str, Any]) -> torch.Tensor:
+        return self.model(trim_padding(features))["sentence_embedding"]  # type: ignore[no-any-return]
 
     def forward(
         self, sentence_features: Iterable[dict[str, torch.Tensor]], labels: torch.Tensor | None
     ) -> Any:
-        columns = tuple(dict(features) for features in sentence_features)
+        columns = [dict(features) for features in sentence_features]
         if not columns:
             raise ConfigError("CachedSentenceLoss got no sentence features (a batch of no columns)")
-
-        def loss_of(embeddings: tuple[torch.Tensor, ...]) -> torch.Tensor:
-            return self.loss.compute_loss_from_embeddings(list(embeddings), labels)  # type: ignore[operator, no-any-return]
-
-        return cached_loss(
-            self._encode, columns, loss_of, micro_batch_size=self.micro_batch_size, gather=False
-        )
+        # One column at a time (anchors, then positives, ...), as sentence-transformers' CachedMNRL:
+        # only one column's micro-batch of activations is alive in the re-encode, not all columns'.
+        embeddings = [
+            cached_representations(
+                self._encode, features, micro_batch_size=self.micro_batch_size, gather=False
+            )
+            for features in columns
+        ]
+        value = self.loss.compute_loss_from_embeddings(embeddings, labels)  # type: ignore[operator]
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise ConfigError(f"{type(self.loss).__name__}.compute_loss_from_embeddings must return a scalar")
+        return value
 
     def get_config_dict(self) -> dict[str, Any]:  # read by sentence-transformers' model card
         inner: dict[str, Any] = getattr(self.loss, "get_config_dict", dict)()
