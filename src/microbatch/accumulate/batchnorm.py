@@ -9,12 +9,16 @@ update decays the old running statistic by (1 - m); N updates with momentum m' d
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import cast
 
 from torch import nn
 
 from ..errors import ConfigError
 from ..trees.modules import modules_of_type, replace_modules
+
+logger = logging.getLogger(__name__)
 
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 _BATCHNORM = (_BatchNorm, nn.SyncBatchNorm)
@@ -57,3 +61,49 @@ def convert_batchnorm_to_groupnorm(model: nn.Module, *, max_groups: int = 32) ->
 
     replace_modules(model, lambda module: isinstance(module, _BATCHNORM), to_groupnorm)
     return model
+
+
+class BatchNormWindows:
+    """The Accumulator's BatchNorm handling: one warning, and momentum corrected per window.
+
+    ``set_momentum`` runs at construction and after every step() (for the next window), so a loop
+    that calls backward()/step() by hand gets it as iterate() does; a window ended early with
+    step(partial=True) decays by its planned count, not its actual one.
+    """
+
+    def __init__(self, model: nn.Module, correct_momentum: bool, steps_for: Callable[[int], int]) -> None:
+        self.layers = batchnorm_layers(model)
+        self.momentum = {name: layer.momentum for name, layer in self.layers}
+        self.correct_momentum = correct_momentum
+        self.steps_for = steps_for
+        self.warned = False
+        self.set_momentum(0)
+
+    def prepare(self, window: int, steps: int) -> None:
+        """Before iterate()'s window ``window`` of ``steps`` micro-batches: warn once, set momentum."""
+        if not self.layers:
+            return
+        training = [name for name, layer in self.layers if layer.training]
+        if steps > 1 and training and not self.warned:
+            self.warned = True
+            logger.warning(
+                "%d BatchNorm layer(s) (%s) train with %d micro-batches per step: each micro-batch is "
+                "normalised with its own statistics, so gradients differ from the full batch's. Use "
+                "larger micro-batches, convert with microbatch.convert_batchnorm_to_groupnorm(model), "
+                "or freeze them (eval mode); correct_batchnorm_momentum=True makes the running "
+                "statistics decay once per window.",
+                len(training),
+                ", ".join(training[:3]) + ("..." if len(training) > 3 else ""),
+                steps,
+            )
+        self.set_momentum(window, steps)
+
+    def set_momentum(self, window: int, steps: int | None = None) -> None:
+        """correct_batchnorm_momentum: set the momentum for ``window``'s planned steps."""
+        if not (self.correct_momentum and self.layers):
+            return
+        steps = self.steps_for(window) if steps is None else steps
+        for name, layer in self.layers:
+            momentum = self.momentum[name]
+            if momentum is not None:
+                layer.momentum = corrected_momentum(momentum, steps)
