@@ -52,7 +52,7 @@ from .. import distributed
 from ..errors import ConfigError, UsageError
 from ..trees.batches import batch_size_of
 from .batchnorm import BatchNormWindows
-from .iteration import Windows, iterate_windows
+from .iteration import Windows, iterate_windows, refuse_nested
 from .micro import (
     Micro,
     StepsSchedule,
@@ -197,6 +197,7 @@ class Accumulator:
         One iterate() at a time: a nested one is refused.
         """
         self._state.require_open("iterate()")
+        refuse_nested(self._state)
         self._state.require_boundary("iterate()")
         windows = Windows(
             model=self.model,

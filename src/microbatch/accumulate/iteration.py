@@ -53,16 +53,20 @@ class _Stream:
 
 def iterate_windows(state: WindowState, windows: Windows, loader: Iterable[Any]) -> Iterator[Micro]:
     """The body of ``Accumulator.iterate`` (see its docstring), window after window."""
-    if state.iterating:
-        raise UsageError(
-            "iterate() while another iterate() of this Accumulator is still running: the two would share "
-            "one window. Finish (or break out of) the first loop before starting another"
-        )
+    refuse_nested(state)
     state.iterating = True
     try:
         yield from _windows(state, windows, loader)
     finally:
         state.iterating = False
+
+
+def refuse_nested(state: WindowState) -> None:
+    if state.iterating:
+        raise UsageError(
+            "iterate() while another iterate() of this Accumulator is still running: the two would share "
+            "one window. Finish (or break out of) the first loop before starting another"
+        )
 
 
 def _windows(state: WindowState, windows: Windows, loader: Iterable[Any]) -> Iterator[Micro]:
