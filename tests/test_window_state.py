@@ -384,3 +384,25 @@ def test_the_plans_split_feeds_its_batch_without_a_warning(caplog: pytest.LogCap
     reference, _ = full_batch_grads(model, mse, batches[1])
     assert_grads_close(captured, reference, **F64)
     plan.remove(model)
+
+
+def test_a_dropped_accumulator_is_freed_at_once_with_its_hooks() -> None:
+    import gc
+    import weakref
+
+    model = nn.Linear(5, 1).to(torch.bfloat16)
+    gc.disable()  # freed by reference counting alone: no cycle keeps its hooks taking gradients
+    try:
+        acc = mb.Accumulator(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate_dtype=torch.float32
+        )
+        for micro in acc.iterate([torch.ones(2, 5, dtype=torch.bfloat16)]):
+            acc.backward(model(micro.batch).mean(), items=2)
+            acc.step()
+        gone = weakref.ref(acc)
+        del acc, micro
+        assert gone() is None
+        model(torch.ones(2, 5, dtype=torch.bfloat16)).sum().backward()
+        assert all(p.grad is not None for p in model.parameters())
+    finally:
+        gc.enable()

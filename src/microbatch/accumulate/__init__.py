@@ -2,10 +2,10 @@
 
 Owns the ``Accumulator`` (``accumulator``) and what it is built from: the checks on steps, items and
 losses (``micro``), iterating a loader by windows (``iteration``), the window's state with its one
-discard path (``state``), the step arithmetic (``window``), feeding micro-batches to the device (``feed``), wide float32 sums and
-compute dtypes (``precision``), BatchNorm momentum (``batchnorm``), batch-size schedules
-(``schedules``), windows cut by tokens (``tokens``) and gradient caching for losses that couple a
-batch (``cached``).
+discard path (``state``), the step arithmetic (``window``), feeding micro-batches to the device
+(``feed``), wide float32 sums and compute dtypes (``precision``), BatchNorm momentum
+(``batchnorm``), batch-size schedules (``schedules``), windows cut by tokens (``tokens``) and
+gradient caching for losses that couple a batch (``cached``).
 
 May import: ``errors``, ``trees``, ``memory``, ``distributed``. Never the profile, planner or
 training. Invariant: a window's gradient is sum_i(items_i * grad loss_i) / sum_i(items_i) over every

@@ -139,7 +139,9 @@ class Accumulator:
         )
 
         # For a manual backward()/step() loop too, not only iterate(): set for window 0 now.
-        self._batchnorm = BatchNormWindows(model, correct_batchnorm_momentum, self.steps_for)
+        # (No bound method of self is kept: a dropped Accumulator is freed at once, hooks included.)
+        self._batchnorm = BatchNormWindows(model, correct_batchnorm_momentum)
+        self._correct_batchnorm_momentum()
         self._items_per_micro: float | None = None  # running estimate, for the reference count R
 
     @property
@@ -159,6 +161,10 @@ class Accumulator:
     @_warned_batchnorm.setter
     def _warned_batchnorm(self, value: bool) -> None:
         self._batchnorm.warned = value
+
+    def _correct_batchnorm_momentum(self) -> None:
+        if self._batchnorm.corrects:  # steps_for only then: a user's schedule is asked no more than needed
+            self._batchnorm.set_momentum(self.steps_for(self.window))
 
     @property
     def step_began(self) -> bool:
@@ -204,7 +210,7 @@ class Accumulator:
             data_parallel=self._data_parallel,
             sync_every_micro_batch=self.sync_every_micro_batch,
             steps_for=self.steps_for,
-            start_window=lambda steps: self._batchnorm.prepare(self.window, steps),
+            start_window=self._batchnorm.prepare,
             samples_per_window=self.samples_per_window,
         )
         yield from iterate_windows(self._state, windows, loader)
@@ -378,7 +384,7 @@ class Accumulator:
             progress.scheduled = True
         self.optimizer.zero_grad(set_to_none=True)
         self._state.finish()
-        self._batchnorm.set_momentum(self.window)
+        self._correct_batchnorm_momentum()
         return stats
 
     def _agree_on_totals(self, items: float, loss_sum: float) -> tuple[float, float, float, int]:
@@ -438,4 +444,4 @@ class Accumulator:
         window, items_per_micro = validated_state(state)
         self._state.window = window
         self._items_per_micro = items_per_micro
-        self._batchnorm.set_momentum(self.window)
+        self._correct_batchnorm_momentum()

@@ -10,7 +10,6 @@ update decays the old running statistic by (1 - m); N updates with momentum m' d
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import cast
 
 from torch import nn
@@ -71,16 +70,14 @@ class BatchNormWindows:
     step(partial=True) decays by its planned count, not its actual one.
     """
 
-    def __init__(self, model: nn.Module, correct_momentum: bool, steps_for: Callable[[int], int]) -> None:
+    def __init__(self, model: nn.Module, correct_momentum: bool) -> None:
         self.layers = batchnorm_layers(model)
         self.momentum = {name: layer.momentum for name, layer in self.layers}
-        self.correct_momentum = correct_momentum
-        self.steps_for = steps_for
         self.warned = False
-        self.set_momentum(0)
+        self.corrects = correct_momentum and bool(self.layers)  # set_momentum has work to do
 
-    def prepare(self, window: int, steps: int) -> None:
-        """Before iterate()'s window ``window`` of ``steps`` micro-batches: warn once, set momentum."""
+    def prepare(self, steps: int) -> None:
+        """Before an iterate() window of ``steps`` planned micro-batches: warn once, set momentum."""
         if not self.layers:
             return
         training = [name for name, layer in self.layers if layer.training]
@@ -96,13 +93,12 @@ class BatchNormWindows:
                 ", ".join(training[:3]) + ("..." if len(training) > 3 else ""),
                 steps,
             )
-        self.set_momentum(window, steps)
+        self.set_momentum(steps)
 
-    def set_momentum(self, window: int, steps: int | None = None) -> None:
-        """correct_batchnorm_momentum: set the momentum for ``window``'s planned steps."""
-        if not (self.correct_momentum and self.layers):
+    def set_momentum(self, steps: int) -> None:
+        """correct_batchnorm_momentum: set the momentum for a window of ``steps`` planned micro-batches."""
+        if not self.corrects:
             return
-        steps = self.steps_for(window) if steps is None else steps
         for name, layer in self.layers:
             momentum = self.momentum[name]
             if momentum is not None:
