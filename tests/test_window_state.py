@@ -406,3 +406,21 @@ def test_a_dropped_accumulator_is_freed_at_once_with_its_hooks() -> None:
         assert all(p.grad is not None for p in model.parameters())
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize(("sizes", "warns"), [([19] * 7, True), ([19] * 6 + [10], False)])
+def test_one_window_per_iterate_is_checked_against_the_plans_batch(
+    sizes: list[int], warns: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """More samples than the plan's batch always warn; fewer only when more data follows (a short
+    last batch at the data's end is no misfeed)."""
+    plan = mb.Plan.manual(batch_size=128, micro_batch_size=19)
+    model = nn.Linear(5, 1).double()
+    acc = plan.apply(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    with caplog.at_level(logging.WARNING, logger="microbatch"):
+        for micro in acc.iterate(split_batch(data(num=sum(sizes)), sizes)):
+            acc.backward(mse(model, micro.batch)[0], items=micro.batch[0].shape[0])
+            if micro.is_last:
+                assert acc.step().items == sum(sizes)
+    assert ("plan's batch is 128" in caplog.text) == warns
+    plan.remove(model)

@@ -141,8 +141,8 @@ def _window(
                 ranks_with_more = state.ranks_with_more
             elif at_window_end and not stream.agree:
                 ranks_with_more = float(stream.feed.has_more())
-            if at_window_end and ranks_with_more > 0:  # a full window with data after it
-                _warn_once_if_not_the_plans_batch(state, windows, samples, steps, window)
+            if at_window_end:  # a full window (by its planned count)
+                _warn_once_if_not_the_plans_batch(state, windows, samples, steps, window, ranks_with_more > 0)
             return ranks_with_more
         _warn_once_if_uneven(stream, ranks_with_more, window)
     return ranks_with_more  # not reached: the window's last index is its end
@@ -173,15 +173,18 @@ def _samples(batch: Any) -> int:
 
 
 def _warn_once_if_not_the_plans_batch(
-    state: WindowState, windows: Windows, samples: int, steps: int, window: int
+    state: WindowState, windows: Windows, samples: int, steps: int, window: int, data_continues: bool
 ) -> None:
     """A full window fed more or fewer samples than the plan's per-rank batch (plan.apply sets it).
 
     The README's loop fed from DataLoader(batch_size=plan.micro_batch_size) trains, for a plan of
     19 x 6 + 14, windows of 7 x 19 = 133 samples instead of 128: exact gradients of another batch.
+    Fewer samples in the data's last window are the data's end (a short last batch), not a misfeed.
     """
     expected = windows.samples_per_window
     if expected is None or samples in (0, expected) or state.warned_plan_batch:
+        return
+    if samples < expected and not data_continues:
         return
     state.warned_plan_batch = True
     distributed.log_rank_zero(
