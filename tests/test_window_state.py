@@ -424,3 +424,36 @@ def test_one_window_per_iterate_is_checked_against_the_plans_batch(
                 assert acc.step().items == sum(sizes)
     assert ("plan's batch is 128" in caplog.text) == warns
     plan.remove(model)
+
+
+def test_a_failure_while_normalising_refuses_the_retry_and_the_next_window_is_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from microbatch.accumulate import window as window_module
+
+    model = nn.Linear(5, 1).double()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    captured = capture(optimizer, model)
+    acc = mb.Accumulator(model, optimizer, steps=2, scaler=scaler, max_grad_norm=0.05)
+    real_norm = window_module.total_norm
+
+    def out_of_memory(grads: list[torch.Tensor]) -> float:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    run_window(acc, model, split_batch(data(seed=4), [6, 6]))
+    monkeypatch.setattr(window_module, "total_norm", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        acc.step()  # after unscale_, before the optimizer: the gradients are partly scaled
+    monkeypatch.setattr(window_module, "total_norm", real_norm)
+    assert not acc.step_began  # nothing was stepped: a training loop may run the window again
+    with pytest.raises(UsageError, match="partly scaled"):
+        acc.step()
+    acc.discard_window()
+    batch = data(seed=5)
+    reference, _ = full_batch_grads(model, mse, batch)
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in reference.values()]))
+    clip = min(1.0, 0.05 / (float(norm) + 1e-6))  # clip_grad_norm_'s coefficient
+    run_window(acc, model, split_batch(batch, [6, 6]))
+    acc.step()  # the scaler unscales again: it forgot the failed window's unscale_
+    assert_grads_close(captured, {name: g * clip for name, g in reference.items()}, **F64)

@@ -27,8 +27,10 @@ optimizer stepped) -> zero_grad(set_to_none=True). Normalising and clipping act 
 parameters (the ones GradScaler unscales), as one multiply made just before the optimizer step.
 
 What holds when step() raises (state.py keeps how far it got):
-- before the optimizer step (a collective, reading the counts, unscaling): nothing changed but the
-  gradients, which are put back; a retry is exact, discard_window() drops the window.
+- reading the counts or their collective: nothing changed; a retry is exact (a failed item check
+  discards the window itself, with a ConfigError).
+- unscaling, normalising or clipping (an OOM computing the norm): the gradients are partly
+  scaled, nothing was stepped; step() refuses a retry, discard_window() drops the window.
 - inside the optimizer's step: the gradients are put back (and the scaler's unscale forgotten). If
   the optimizer had changed nothing yet (its parameters' and state's version counters did not
   move: window.optimizer_step), a retry is exact. If it had, the step is half made and cannot be
@@ -66,7 +68,7 @@ from .micro import (
     validated_state,
 )
 from .state import WindowState, new_state, window_parameters
-from .window import optimizer_step, read_window, scale_gradients
+from .window import agree_on_totals, optimizer_step, read_window, scale_gradients
 
 logger = logging.getLogger(__name__)
 
@@ -325,6 +327,12 @@ class Accumulator:
                 "parameters or optimizer state: a retry would apply part of the step twice. Restore model "
                 "and optimizer from a checkpoint, then call acc.discard_window()"
             )
+        if state.progress.scaling_failed:
+            raise UsageError(
+                f"step() again after window {state.window}'s step() raised while unscaling or normalising "
+                "its gradients: they are partly scaled, so a retry would not be exact. Nothing was stepped: "
+                "drop the window with acc.discard_window()"
+            )
         if state.micro_batches == 0:
             raise UsageError("step() with no backward() in this window: there is no gradient to apply")
         if state.awaiting_step:
@@ -346,11 +354,10 @@ class Accumulator:
         """Everything up to and including the optimizer step; the stats of the window."""
         state = self._state
         items, loss_sum_local, reference = read_window(state)
-        total_items, loss_sum, total_micro_batches, averaged_over = self._agree_on_totals(
-            items, loss_sum_local
+        total_items, loss_sum, total_micro_batches, averaged_over = agree_on_totals(
+            state, items, loss_sum_local, data_parallel=self._data_parallel is not None
         )
-        # Everything that can fail is read first; the gradients change only right before the
-        # optimizer step, and are changed back if it raises.
+        # What can fail is read first; the gradients change only from here (see the module docstring).
         lr = learning_rate(self.optimizer)
         scaled = scale_gradients(
             state, self.optimizer, self.scaler, self.max_grad_norm, reference * averaged_over / total_items
@@ -386,20 +393,6 @@ class Accumulator:
         self._state.finish()
         self._correct_batchnorm_momentum()
         return stats
-
-    def _agree_on_totals(self, items: float, loss_sum: float) -> tuple[float, float, float, int]:
-        """(T, loss sum, micro-batches) over all ranks, and W_avg; sets how many ranks have more data."""
-        state = self._state
-        local = [items, loss_sum, float(state.micro_batches), float(state.has_more_local)]
-        averaged_over = 1
-        if self._data_parallel is not None:
-            # One all_reduce per window: global items T, loss sum, micro-batches, ranks with more data.
-            local = distributed.all_reduce_values(local)
-            averaged_over = distributed.world_size()  # DDP and FSDP2 divide the summed gradient by W
-        total_items, total_loss, total_micro_batches, state.ranks_with_more = local
-        if total_items <= 0:
-            raise UsageError("step() on a window without items on any rank: there is no gradient to apply")
-        return total_items, total_loss, total_micro_batches, averaged_over
 
     def discard_window(self) -> None:
         """Drop the window in progress: its gradients, wide sums and counts; the window index stays.

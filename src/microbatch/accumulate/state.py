@@ -30,12 +30,14 @@ logger = logging.getLogger(__name__)
 class StepProgress:
     """How far the window's step() got, so a retry redoes only what did not happen.
 
+    ``scaling_failed``: unscaling or normalising raised (the window can only be dropped).
     ``optimizer_raised``: optimizer.step() raised (the gradients were restored). ``mutated``: it had
     changed parameters or optimizer state in place before raising (a retry would apply part of the
     step twice). ``stats``: set once the optimizer step returned; the scaler update and the
     scheduler step follow, each marked done as it returns.
     """
 
+    scaling_failed: bool = False  # unscaling / normalising raised: the gradients are partly scaled
     optimizer_raised: bool = False
     mutated: bool = False
     stats: WindowStats | None = None

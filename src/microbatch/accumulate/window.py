@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from .. import distributed
+from ..errors import ConfigError, UsageError
 from .state import WindowState
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class Scaled:
 def read_window(state: WindowState) -> tuple[float, float, float]:
     """This rank's items, loss sum and R as numbers: one read from the device per window."""
     values = [state.items, state.loss_sum, state.reference_items]
-    flags, state.item_flags = state.item_flags, None
+    flags = state.item_flags  # kept until the read succeeds, so a retried step() checks them too
     on_device = [v for v in (*values, flags) if isinstance(v, torch.Tensor)]
     if not on_device:
         return float(values[0]), float(values[1]), float(values[2])
@@ -59,7 +60,24 @@ def read_window(state: WindowState) -> tuple[float, float, float]:
             )
             + "; the window's gradients are discarded. Drop such micro-batches from the data"
         )
+    state.item_flags = None
     return numbers[0], numbers[1], numbers[2]
+
+
+def agree_on_totals(
+    state: WindowState, items: float, loss_sum: float, *, data_parallel: bool
+) -> tuple[float, float, float, int]:
+    """(T, loss sum, micro-batches) over all ranks, and W_avg; sets how many ranks have more data."""
+    local = [items, loss_sum, float(state.micro_batches), float(state.has_more_local)]
+    averaged_over = 1
+    if data_parallel:
+        # One all_reduce per window: global items T, loss sum, micro-batches, ranks with more data.
+        local = distributed.all_reduce_values(local)
+        averaged_over = distributed.world_size()  # DDP and FSDP2 divide the summed gradient by W
+    total_items, total_loss, total_micro_batches, state.ranks_with_more = local
+    if total_items <= 0:
+        raise UsageError("step() on a window without items on any rank: there is no gradient to apply")
+    return total_items, total_loss, total_micro_batches, averaged_over
 
 
 def total_norm(grads: list[torch.Tensor]) -> float:
@@ -78,7 +96,28 @@ def scale_gradients(
     max_grad_norm: float | None,
     factor: float,
 ) -> Scaled:
-    """Unscale (GradScaler, once), normalise by ``factor`` and clip the optimizer's gradients."""
+    """Unscale (GradScaler, once), normalise by ``factor`` and clip the optimizer's gradients.
+
+    If this raises (out of memory computing the norm), the gradients are partly scaled: the
+    window can only be dropped (``state.progress.scaling_failed``; step() refuses a retry), and
+    the scaler forgets the unscale so the next window may unscale again. Nothing was stepped.
+    """
+    try:
+        return _scale_gradients(state, optimizer, scaler, max_grad_norm, factor)
+    except BaseException:
+        state.progress.scaling_failed = True
+        if scaler is not None:
+            scaler._per_optimizer_states.pop(id(optimizer), None)
+        raise
+
+
+def _scale_gradients(
+    state: WindowState,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    max_grad_norm: float | None,
+    factor: float,
+) -> Scaled:
     widened = state.wide.restore_(factor) if state.wide is not None else set()  # scaled in the wide dtype
     stepped = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     if scaler is not None:
