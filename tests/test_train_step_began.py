@@ -113,3 +113,32 @@ def test_summary_counts_the_replans_of_the_whole_resumed_run(
     resumed = train(dataclasses.replace(config, steps=3, resume=True))
     assert resumed.steps_done == 3 and resumed.replans == 1
     assert load_checkpoint(str(run_dir / "checkpoint.pt"))["replans"] == 1
+
+
+def test_the_oom_rerun_starts_from_the_failed_windows_random_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The failed window's first micro-batch drew dropout masks (and re-planning runs trial windows):
+    the re-run must start from the random state the failed window started from."""
+    config = dataclasses.replace(BASE, micro_batch=4, steps=3, dropout=0.1, out=str(tmp_path / "run"))
+    real_loss, real_run_window = loop_module.gpt_loss, loop_module._run_window
+    calls = {"n": 0}
+    states: list[torch.Tensor] = []
+
+    def failing_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 4:  # step 2's second micro-batch: the first one drew its dropout masks
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_loss(model, batch)
+
+    def recording_run_window(session: Any, micro_batches: Any) -> Any:
+        states.append(torch.get_rng_state())
+        return real_run_window(session, micro_batches)
+
+    monkeypatch.setattr(loop_module, "gpt_loss", failing_loss)
+    monkeypatch.setattr(loop_module, "_run_window", recording_run_window)
+    summary = train(config)
+    assert summary.replans == 1 and len(states) == 4  # step 1, step 2 (failed), step 2 again, step 3
+    assert torch.equal(states[1], states[2])
+    checkpoint = load_checkpoint(str(tmp_path / "run" / "checkpoint.pt"))
+    assert checkpoint["replans"] == 1
