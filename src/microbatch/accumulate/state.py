@@ -154,8 +154,9 @@ def _conflicts(mine: set[int], hooked: set[int]) -> bool:
     for other in list(_LIVE):
         if other.closed:
             continue
-        theirs = {id(p) for p in other.params}
-        if (hooked & theirs) or (other.hooked() & mine):
+        if other.hooked() & mine:
+            return True
+        if hooked and any(id(p) in hooked for p in other.params):
             return True
     return False
 
