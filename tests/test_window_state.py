@@ -457,3 +457,10 @@ def test_a_failure_while_normalising_refuses_the_retry_and_the_next_window_is_ex
     run_window(acc, model, split_batch(batch, [6, 6]))
     acc.step()  # the scaler unscales again: it forgot the failed window's unscale_
     assert_grads_close(captured, {name: g * clip for name, g in reference.items()}, **F64)
+
+
+def test_cached_backward_on_an_empty_batch_is_a_clear_error() -> None:
+    model = nn.Linear(3, 2)
+    with pytest.raises(ConfigError, match="empty batch"):
+        mb.cached_backward(model, torch.zeros(0, 3), lambda r: r.sum(), micro_batch_size=2)
+    assert all(p.grad is None for p in model.parameters())
