@@ -245,3 +245,19 @@ def test_fit_trainer_changes_nothing_when_it_refuses(tmp_path: Any) -> None:
     assert trainer.args.activation_checkpointing is True
     assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == before
     assert "compute_loss" not in vars(trainer)
+
+
+def test_a_micro_batch_without_items_adds_nothing(tmp_path: Any) -> None:
+    # Its mean is 0 / 0 (NaN); weighted by its 0 items it must contribute zero, not NaN.
+    name = "bert-masked-lm"
+    model = _model(name)
+    reference = copy.deepcopy(model)
+    dataset = Examples(MODELS[name][1])
+    for row in dataset.rows[:4]:  # the whole first micro-batch
+        row["labels"] = torch.full_like(row["labels"], -100)
+    trainer = _trainer(tmp_path, model, dataset)
+    hf.exact_loss_weighting(trainer)
+    got = _first_step(trainer)
+    want = full_batch_gradient(reference, collate([dataset[i] for i in range(SAMPLES)]))
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], **TOL)

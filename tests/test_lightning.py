@@ -85,3 +85,32 @@ def test_manual_optimization_is_refused() -> None:
             module,
             torch.utils.data.DataLoader(example.sequences(4), batch_size=2, collate_fn=example.collate),
         )
+
+
+def test_a_plan_sets_the_accumulation_and_stays_exact() -> None:
+    import lightning as L
+
+    import microbatch as mb
+
+    example = _example()
+    torch.manual_seed(0)
+    module = example.NextToken().double()
+    rows = example.sequences(16)
+
+    def loss(net: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        labels = batch["labels"]
+        value = F.cross_entropy(net(batch["input_ids"]).flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return value, int((labels != -100).sum())
+
+    workload = mb.Workload(model=module.net, make_batch=lambda b: example.collate(rows[:b]), loss=loss)
+    plan = mb.plan(workload, batch=16, memory="1GiB", trial=False, policies=["none"], min_micro_batch_size=4)
+    loader = torch.utils.data.DataLoader(rows, batch_size=plan.micro_batch_size, collate_fn=example.collate)
+    trainer = L.Trainer(
+        max_epochs=1, callbacks=[ExactAccumulation(plan=plan, model=module.net)], accelerator="cpu",
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, loader)
+    assert trainer.accumulate_grad_batches == plan.steps
+    assert trainer.global_step == 1  # the plan's window is the whole batch of 16
+    for p, q in zip(module.parameters(), _reference(example, [16]).parameters(), strict=True):
+        torch.testing.assert_close(p, q, **TOL)
