@@ -163,3 +163,27 @@ def dp_by_pp(rows_per_replica: list[list[int]], m: int) -> dict[str, Any]:
             result[f"{schedule}-{steps}"] = _run(rows_per_replica, schedule, m, steps)
     result["clip"] = _run(rows_per_replica, "1f1b", m, 3, max_grad_norm=0.05)
     return result
+
+
+# ---------------------------------------------------------------------- microbatch train --pipeline
+
+
+def train_runs(root: str, stages: int, batch: int, micro_batch: int) -> dict[str, Any]:
+    """``train --pipeline`` on this launch's ranks: a whole run, and the same run in two halves."""
+    import dataclasses
+    import os
+
+    from microbatch.training import TrainConfig, train
+
+    base = TrainConfig(
+        model="gpt-nano",
+        batch=batch,
+        micro_batch=micro_batch,
+        eval_interval=2,
+        pipeline=stages,
+        warmup_steps=2,
+    )
+    whole = train(dataclasses.replace(base, steps=4, out=os.path.join(root, "whole")))
+    train(dataclasses.replace(base, steps=2, out=os.path.join(root, "halves")))
+    resumed = train(dataclasses.replace(base, steps=4, out=os.path.join(root, "halves"), resume=True))
+    return {"whole": whole.to_dict(), "resumed": resumed.to_dict()}

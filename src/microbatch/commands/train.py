@@ -25,6 +25,8 @@ from ..training.tokens import parse_max_tokens
 _DEFAULTS = TrainConfig()
 # Flags that map one to one onto TrainConfig fields (argparse dest == field name).
 _CONFIG_FLAGS = (
+    "pipeline",
+    "pipeline_schedule",
     "model",
     "batch",
     "memory",
@@ -111,6 +113,18 @@ def _add_plan_arguments(add: Any) -> None:
         type=int,
         help="choose the micro-batch size yourself (Plan.manual: no profiling, nothing predicted); "
         "steps = batch / micro-batch, rounded up",
+    )
+    add(
+        "--pipeline",
+        type=int,
+        metavar="STAGES",
+        help="cut the model into STAGES pipeline stages over the processes (torchrun; the world size "
+        "must be a multiple: replicas x STAGES); gradients stay exact over every micro-batch (default 1)",
+    )
+    add(
+        "--pipeline-schedule",
+        choices=["gpipe", "1f1b", "interleaved-1f1b"],
+        help="the pipeline schedule (torch.distributed.pipelining's; default 1f1b)",
     )
     add(
         "--plan",

@@ -79,6 +79,8 @@ class TrainConfig:
     plan: str | None = None
     trial: bool = True
     max_skipped_windows: int = DEFAULT_MAX_SKIPPED_WINDOWS
+    pipeline: int = 1  # pipeline stages (training/pipelined.py); world size = replicas x pipeline
+    pipeline_schedule: str = "1f1b"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,11 +128,55 @@ def validate_config(config: TrainConfig) -> None:
             raise ConfigError(message)
     parse_max_tokens(config.max_tokens)
     world = distributed.world_size()
+    if config.pipeline > 1:
+        _check_pipeline(config, world)
+        world //= config.pipeline  # the data-parallel replicas share the batch
     if config.batch % world:
         raise ConfigError(
             f"--batch {config.batch} must be a multiple of the number of processes ({world}); "
             f"use --batch {config.batch - config.batch % world or world}"
         )
+
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def _check_pipeline(config: TrainConfig, world: int) -> None:
+    """--pipeline S: what the pipelined run (training/pipelined.py) does not do yet is refused."""
+    stages = config.pipeline
+    checks = [
+        (
+            world % stages == 0,
+            f"--pipeline {stages} needs a multiple of {stages} processes, got {world}; launch with "
+            f"`torchrun --nproc-per-node {stages}` (or {2 * stages} for 2 data-parallel replicas)",
+        ),
+        (
+            config.pipeline_schedule in PIPELINE_SCHEDULES,
+            f"--pipeline-schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
+            f"got {config.pipeline_schedule!r}",
+        ),
+        (
+            config.precision == "fp32",
+            f"--pipeline runs in fp32 for now, got --precision {config.precision}: the stage buffers are "
+            "traced in fp32 and one GradScaler over all stages is not built",
+        ),
+        (
+            config.memory is None and config.plan is None,
+            "--pipeline does not plan yet: --memory and --plan are not used; give --micro-batch "
+            "(or leave it out for batch / replicas / (2 x stages))",
+        ),
+        (
+            config.checkpoint_policy in ("auto", "none"),
+            "--pipeline runs without activation checkpointing for now; use --checkpoint-policy none",
+        ),
+        (
+            config.nominal_batch is None,
+            "--nominal-batch ramps accumulation up over the warmup; --pipeline keeps whole windows, drop it",
+        ),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
 
 
 def _flag_checks(config: TrainConfig) -> list[tuple[bool, str]]:
@@ -181,6 +227,10 @@ def _flag_checks(config: TrainConfig) -> list[tuple[bool, str]]:
             f"--checkpoint-interval must be >= 1, got {config.checkpoint_interval}",
         ),
         (config.eval_batches >= 1, f"eval_batches must be >= 1, got {config.eval_batches}"),
+        (
+            isinstance(config.pipeline, int) and config.pipeline >= 1,
+            f"--pipeline must be a positive number of stages, got {config.pipeline!r}",
+        ),
     ]
 
 

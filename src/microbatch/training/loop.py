@@ -31,6 +31,7 @@ from ..memory import MemoryTracker
 from ..memory.oom import free_memory, is_out_of_memory
 from ..models.workloads import gpt_loss
 from ..trees.batches import batch_size_of, move_batch, split_batch
+from . import pipelined
 from .plan import plan_without, planning_workload
 from .ranks import on_rank_zero
 from .report import StepReport
@@ -118,6 +119,8 @@ def evaluate(session: Session) -> float:
     is kept for later evaluations (``session.eval_rows``). Out of memory at one sequence stops the
     run with a TrainingError after the caller saves.
     """
+    if session.pipeline is not None:  # the stages' weights into raw_model (a collective)
+        pipelined.gather_model_(session.pipeline, session.raw_model)
     session.raw_model.eval()
     try:
         while True:
@@ -233,6 +236,8 @@ def _recover(session: Session, start: dict[str, Any]) -> None:
 
 def _train_window(session: Session, peak: PeakMemory) -> tuple[WindowStats, float]:
     """One optimizer step, run again after re-planning when it runs out of memory (single process)."""
+    if session.pipeline is not None:  # --pipeline S: its own branch (no re-planning yet)
+        return pipelined.train_window(session, peak)
     while True:
         started = time.perf_counter()
         start = _window_start(session)

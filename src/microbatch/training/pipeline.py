@@ -19,6 +19,7 @@ import torch
 
 from .. import distributed
 from ..models.corpus import load_corpus
+from . import pipelined
 from .config import TrainConfig, validate_config
 from .loop import Outcome, run_windows
 from .plan import plan_for_run, planning_workload, resolve_device
@@ -74,9 +75,12 @@ def _start_session(config: TrainConfig, start: RunStart, device: torch.device) -
     raw_model = build_model(config, device)
     documents = load_corpus(max_bytes=config.corpus_bytes).train
     workload = planning_workload(config, raw_model, documents, device)
-    plan = on_rank_zero(
-        lambda: plan_for_run(config, workload, saved=start.saved_plan, saved_config=start.saved_config)
-    )
+    if config.pipeline > 1:  # the same split on every rank, nothing profiled (pipelined.py)
+        plan = pipelined.pipeline_plan(config, raw_model, device)
+    else:
+        plan = on_rank_zero(
+            lambda: plan_for_run(config, workload, saved=start.saved_plan, saved_config=start.saved_config)
+        )
     raw_model.zero_grad(set_to_none=True)
     if start.state is None:
         on_rank_zero(lambda: prepare_run_dir(start.run_dir))

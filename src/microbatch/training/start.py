@@ -71,10 +71,11 @@ def open_run(config: TrainConfig) -> RunStart:
             "optimizer steps; "
             f"pass --steps greater than {start.saved_step} to train it further"
         )
-    if saved_plan.world_size != distributed.world_size():
+    stages = max(1, config.pipeline)  # a pipelined run's plan counts data-parallel replicas
+    if saved_plan.world_size * stages != distributed.world_size():
         raise ResumeError(
-            f"--resume: the run was trained with {saved_plan.world_size} process(es), now "
-            f"{distributed.world_size()}; resume it with {saved_plan.world_size}"
+            f"--resume: the run was trained with {saved_plan.world_size * stages} process(es), now "
+            f"{distributed.world_size()}; resume it with {saved_plan.world_size * stages}"
         )
     if distributed.is_rank_zero():
         remove_stale_temporaries(run_dir)
