@@ -123,7 +123,40 @@ def two_stages(rows: list[int], m: int) -> dict[str, Any]:
     result["named"] = _run([rows], "1f1b", m, 1, blocks=["blocks.1"])
     result["torch_default"] = _torch_default([ROWS] * m, m)
     result["errors"] = _errors(rows, m)
+    result["peaks"] = {schedule: _measured_peak(schedule) for schedule in ("gpipe", "1f1b")}
     return result
+
+
+MEMORY_CONFIG = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16)
+MEMORY_M = 4
+
+
+def memory_batches() -> list[Batch]:
+    g = torch.Generator().manual_seed(7)
+    shape = (2, MEMORY_CONFIG.block_size)
+    return [
+        (torch.randint(0, 256, shape, generator=g), torch.randint(0, 256, shape, generator=g))
+        for _ in range(MEMORY_M)
+    ]
+
+
+def _measured_peak(schedule: str) -> int:
+    """This rank's peak live bytes over one window (first one, fresh gradients): MemoryTracker."""
+    from microbatch.memory import MemoryTracker
+
+    torch.manual_seed(0)
+    data = memory_batches()
+    pipe = Pipeline(
+        GPT(MEMORY_CONFIG),
+        num_stages=2,
+        micro_batches=MEMORY_M,
+        example=torch.zeros_like(data[0][0]),
+        loss_fn=token_loss,
+        schedule=schedule,  # type: ignore[arg-type]
+    )
+    with MemoryTracker(torch.device("cpu")) as tracker:
+        pipe.backward(data)
+    return int(tracker.peak_bytes)
 
 
 def _error_of(fn: Any) -> str | None:

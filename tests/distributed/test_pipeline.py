@@ -120,3 +120,22 @@ def test_clear_errors_on_every_rank(runs: list[dict]) -> None:
         assert "world size 2 is not a multiple" in errors["world_not_multiple"]
         assert "couples the samples" in errors["coupled"]
         assert "more than the example's 3" in errors["too_many_rows"]
+
+
+def test_predicted_stage_peaks_against_each_rank_measured(runs: list[dict]) -> None:
+    from microbatch.planner.pipeline import predict_pipeline, profile_stages
+
+    torch.manual_seed(0)
+    data = w.memory_batches()
+    costs = profile_stages(
+        w.GPT(w.MEMORY_CONFIG), num_stages=2, example=data[0][0], labels=data[0][1], loss_fn=w.token_loss
+    )
+    for schedule in ("gpipe", "1f1b"):
+        predicted = predict_pipeline(costs, micro_batches=w.MEMORY_M, schedule=schedule).peak_bytes
+        measured = [rank_run["peaks"][schedule] for rank_run in runs]
+        errors = [abs(p - m) / m for p, m in zip(predicted, measured, strict=True)]
+        # GPipe: 1.0 % here (0.2 % at the benchmark's size). 1F1B's steady state holds some bytes
+        # the model does not count (7 % at the benchmark's size; 13 % on this tiny last stage).
+        assert max(errors) < (0.02 if schedule == "gpipe" else 0.15), (schedule, predicted, measured)
+    # 1F1B holds fewer micro-batches than GPipe on every stage, and the measurement shows it.
+    assert all(r["peaks"]["1f1b"] < r["peaks"]["gpipe"] for r in runs)
