@@ -220,3 +220,21 @@ def train_runs(root: str, stages: int, batch: int, micro_batch: int) -> dict[str
     train(dataclasses.replace(base, steps=2, out=os.path.join(root, "halves")))
     resumed = train(dataclasses.replace(base, steps=4, out=os.path.join(root, "halves"), resume=True))
     return {"whole": whole.to_dict(), "resumed": resumed.to_dict()}
+
+
+def train_plain(root: str, batch: int, micro_batch: int) -> dict[str, Any]:
+    """The same run with DDP and no pipeline (each rank its own stream, as each replica has)."""
+    import os
+
+    from microbatch.training import TrainConfig, train
+
+    config = TrainConfig(
+        model="gpt-nano", batch=batch, micro_batch=micro_batch, eval_interval=2, warmup_steps=2, steps=4
+    )
+    return train(dataclasses_replace(config, out=os.path.join(root, "ddp"))).to_dict()
+
+
+def dataclasses_replace(config: Any, **changes: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
