@@ -47,3 +47,25 @@ def test_profile_stages_measures_each_stage() -> None:
     for cost in costs:
         assert cost.one_bytes > cost.kept_bytes > activation
         assert cost.seconds > 0
+
+
+def test_choose_pipeline_fits_the_budget_and_refuses_below_the_least() -> None:
+    from microbatch.errors import InfeasibleBudgetError
+    from microbatch.planner.pipeline import choose_pipeline
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8))
+
+    def make_batch(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, 256, (rows, 8))
+        return tokens, tokens
+
+    options = {"num_stages": 2, "rows": 8, "make_batch": make_batch, "loss_fn": token_loss}
+    roomy = choose_pipeline(model, budget_bytes=1 << 40, **options)
+    assert len(roomy.considered) == 2 * 4  # sizes 1, 2, 4, 8 under two schedules
+    least = min(worst for _, _, worst, _ in roomy.considered)
+    tight = choose_pipeline(model, budget_bytes=least, **options)
+    assert max(tight.prediction.peak_bytes) == least
+    assert tight.micro_batches * tight.micro_batch_size >= 8
+    with pytest.raises(InfeasibleBudgetError, match="least predicted stage peak"):
+        choose_pipeline(model, budget_bytes=least - 1, **options)

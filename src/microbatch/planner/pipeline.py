@@ -27,6 +27,7 @@ of filling and draining (the bubble, a fraction (S - 1) / (m + S - 1) of the ste
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -37,7 +38,7 @@ from torch import nn
 
 from ..distributed.stage_grads import used_parameter_names
 from ..distributed.stages import stage_starts
-from ..errors import ConfigError
+from ..errors import ConfigError, InfeasibleBudgetError
 from ..memory import MemoryTracker
 
 
@@ -135,7 +136,8 @@ def profile_stages(
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     starts = stage_starts(model, num_stages, blocks)
-    pipe = pipeline(model, mb_args=(example,), split_spec={name: SplitPoint.BEGINNING for name in starts})
+    # Traced on a copy: torch's tracer leaves a model it cannot trace a second time.
+    pipe = pipeline(copy.deepcopy(model), mb_args=(example,), split_spec={name: SplitPoint.BEGINNING for name in starts})
     modules = [pipe.get_stage_module(s) for s in range(num_stages)]
     best: list[StageCost] = []
     for _ in range(max(1, rounds)):
@@ -187,3 +189,74 @@ def predict_pipeline(
         seconds_per_step=(micro_batches + count - 1) * slowest,
         bubble_fraction=(count - 1) / (micro_batches + count - 1),
     )
+
+
+# ---------------------------------------------------------------------- choosing
+
+
+@dataclass(frozen=True)
+class PipelineChoice:
+    """The chosen split of one replica's batch: micro-batches of ``micro_batch_size`` rows,
+    ``micro_batches`` of them per step under ``schedule``, with its prediction; ``considered`` holds
+    every (micro-batch size, schedule, predicted worst stage peak, predicted seconds) tried."""
+
+    micro_batch_size: int
+    micro_batches: int
+    schedule: str
+    stage_starts: tuple[str, ...]
+    prediction: PipelinePrediction
+    considered: tuple[tuple[int, str, int, float], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def choose_pipeline(
+    model: nn.Module,
+    *,
+    num_stages: int,
+    rows: int,
+    budget_bytes: int,
+    make_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[..., Any],
+    schedules: Sequence[str] = ("1f1b", "gpipe"),
+    micro_batch_sizes: Sequence[int] | None = None,
+    optimizer_state_per_parameter_byte: float = 2.0,
+    blocks: Sequence[str] | str = "auto",
+) -> PipelineChoice:
+    """The fastest predicted (micro-batch size, schedule) whose every stage fits ``budget_bytes``.
+
+    ``rows``: one replica's batch per optimizer step; each size b gives m = ceil(rows / b) micro-batches
+    (the last one padded). Sizes default to the powers of two up to ``rows``. Ties in time go to the
+    smaller peak. No fit: InfeasibleBudgetError with the least peak found.
+    """
+    sizes = list(micro_batch_sizes or [b for b in (2**i for i in range(rows.bit_length())) if b <= rows])
+    starts = tuple(stage_starts(model, num_stages, blocks))
+    considered, best = [], None
+    for size in sizes:
+        tokens, labels = make_batch(size)
+        costs = profile_stages(
+            model, num_stages=num_stages, example=tokens, labels=labels, loss_fn=loss_fn, blocks=list(starts)
+        )
+        count = -(-rows // size)
+        for schedule in schedules:
+            guess = predict_pipeline(
+                costs,
+                micro_batches=count,
+                schedule=schedule,
+                optimizer_state_per_parameter_byte=optimizer_state_per_parameter_byte,
+            )
+            worst = max(guess.peak_bytes)
+            considered.append((size, schedule, worst, guess.seconds_per_step))
+            key = (guess.seconds_per_step, worst)
+            if worst <= budget_bytes and (best is None or key < best[0]):
+                best = (key, size, count, schedule, guess)
+    if best is None:
+        least = min(worst for _, _, worst, _ in considered)
+        raise InfeasibleBudgetError(
+            f"no pipeline split of {rows} rows over {num_stages} stages fits {budget_bytes} bytes per rank; "
+            f"the least predicted stage peak is {least} bytes: more stages, a smaller model or more memory",
+            minimum_bytes=least,
+        )
+    _, size, count, schedule, guess = best
+    return PipelineChoice(size, count, schedule, starts, guess, tuple(considered))
