@@ -31,6 +31,7 @@ from ..errors import ConfigError
 from .collectives import all_reduce_values
 from .stage_grads import clip_, global_grad_norm, reduce_gradients_, tied_sets, used_parameter_names
 from .stages import PipelineLayout, pipeline_layout, stage_starts
+from .sync import data_parallel_kind
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -83,6 +84,7 @@ class Pipeline:
         ignore_index: int = -100,
     ) -> None:
         _check_options(num_stages, micro_batches, schedule, virtual_stages)
+        _check_model(model)
         self.layout: PipelineLayout = pipeline_layout(num_stages)
         self.schedule_name = schedule
         self.micro_batches = micro_batches
@@ -274,6 +276,24 @@ class Pipeline:
     def _empty(self, like: Batch) -> Batch:
         """A micro-batch of padding alone (weight 0): fills the last pipeline step of a window."""
         return torch.zeros_like(like[0]), torch.full_like(like[1], self.ignore_index)
+
+
+def _check_model(model: nn.Module) -> None:
+    """What the pipeline cannot keep exact: wrapped models and batch statistics."""
+    kind = data_parallel_kind(model)
+    if kind is not None:
+        raise ConfigError(
+            f"Pipeline got a {kind.upper()}-wrapped model; pass the plain model: the pipeline sums each "
+            "stage's gradients over the data-parallel replicas itself (FSDP2 sharding of pipeline stages "
+            "is not supported yet)"
+        )
+    norms = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if norms:
+        raise ConfigError(
+            f"the model has BatchNorm ({', '.join(norms[:3])}): its statistics couple the rows of a "
+            "micro-batch, and the zero-weight rows the pipeline pads short micro-batches with would change "
+            "them; convert it with mb.convert_batchnorm_to_groupnorm(model) first"
+        )
 
 
 def _check_options(num_stages: int, micro_batches: int, schedule: str, virtual_stages: int) -> None:

@@ -137,7 +137,9 @@ def profile_stages(
 
     starts = stage_starts(model, num_stages, blocks)
     # Traced on a copy: torch's tracer leaves a model it cannot trace a second time.
-    pipe = pipeline(copy.deepcopy(model), mb_args=(example,), split_spec={name: SplitPoint.BEGINNING for name in starts})
+    pipe = pipeline(
+        copy.deepcopy(model), mb_args=(example,), split_spec={name: SplitPoint.BEGINNING for name in starts}
+    )
     modules = [pipe.get_stage_module(s) for s in range(num_stages)]
     best: list[StageCost] = []
     for _ in range(max(1, rounds)):
