@@ -72,5 +72,5 @@ def test_option_errors(options: dict, message: str) -> None:
 def test_batchnorm_and_wrapped_models_are_refused() -> None:
     arguments = {"num_stages": 2, "micro_batches": 2, "example": torch.zeros(2, 4), "loss_fn": token_loss}
     with_bn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4))
-    with pytest.raises(ConfigError, match="BatchNorm \\(1\\).*convert_batchnorm_to_groupnorm"):
+    with pytest.raises(ConfigError, match=r"BatchNorm \(1\).*convert_batchnorm_to_groupnorm"):
         Pipeline(with_bn, **arguments)
