@@ -21,7 +21,7 @@ def test_in_flight_per_schedule() -> None:
 def test_prediction_formula() -> None:
     cost = StageCost(
         one_bytes=1000, kept_bytes=100, start_bytes=300, forward_bytes=150, parameter_bytes=200,
-        input_bytes=10, output_bytes=20, seconds=0.5,
+        input_bytes=10, output_bytes=20, result_bytes=0, seconds=0.5,
     )  # fmt: skip
     gpipe = predict_pipeline([cost, cost], micro_batches=4, schedule="gpipe")
     # 1000 + 3 x 100 held + 3 x (10 + 20) further receive buffers; the forward moment (300 + 200 +

@@ -134,8 +134,8 @@ def test_predicted_stage_peaks_against_each_rank_measured(runs: list[dict]) -> N
         predicted = predict_pipeline(costs, micro_batches=w.MEMORY_M, schedule=schedule).peak_bytes
         measured = [rank_run["peaks"][schedule] for rank_run in runs]
         errors = [abs(p - m) / m for p, m in zip(predicted, measured, strict=True)]
-        # GPipe: 1.0 % here (0.2 % at the benchmark's size). 1F1B's steady state holds some bytes
-        # the model does not count (7 % at the benchmark's size; 13 % on this tiny last stage).
-        assert max(errors) < (0.02 if schedule == "gpipe" else 0.15), (schedule, predicted, measured)
+        # Measured here: GPipe within 1.0 %, 1F1B within 7.3 % (its steady state holds some bytes the
+        # model does not count yet); the bound is 10 %.
+        assert max(errors) < (0.02 if schedule == "gpipe" else 0.10), (schedule, predicted, measured)
     # 1F1B holds fewer micro-batches than GPipe on every stage, and the measurement shows it.
     assert all(r["peaks"]["1f1b"] < r["peaks"]["gpipe"] for r in runs)

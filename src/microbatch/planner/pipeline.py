@@ -52,7 +52,8 @@ class StageCost:
     forward_bytes: int  # the forward's own peak above start_bytes (kept bytes and temporaries)
     parameter_bytes: int
     input_bytes: int
-    output_bytes: int
+    output_bytes: int  # what it sends on (0 for the last stage)
+    result_bytes: int  # the last stage's output (logits): torch's loop keeps one past its backward
     seconds: float
 
 
@@ -114,6 +115,7 @@ def _run_stage(
         parameter_bytes=sum(p.numel() * p.element_size() for p in parameters),
         input_bytes=_tensor_bytes(inputs) if inputs.is_floating_point() else 0,
         output_bytes=_tensor_bytes(output) if labels is None else 0,
+        result_bytes=_tensor_bytes(output) if labels is not None else 0,
         seconds=seconds,
     )
     return cost, output.detach()
@@ -179,7 +181,9 @@ def predict_pipeline(
         held = (flight[s] - 1) * cost.kept_bytes
         backward = cost.one_bytes + held  # the oldest micro-batch's backward, k - 1 others held
         # With m > k a forward follows the first backward: every gradient exists by then.
-        forward = cost.start_bytes + cost.parameter_bytes + held + cost.forward_bytes
+        # The schedule's loop variable still holds the previous micro-batch's output there (the
+        # last stage's logits; on other stages that output is among the held ones anyway).
+        forward = cost.start_bytes + cost.parameter_bytes + held + cost.forward_bytes + cost.result_bytes
         moment = max(backward, forward) if micro_batches > flight[s] else backward
         peaks.append(int(moment + buffers + optimizer))
     slowest = max(cost.seconds for cost in costs)
