@@ -102,9 +102,10 @@ def write_marker(run_dir: str) -> None:
         os.fsync(file.fileno())
 
 
-def foreign_files(names: Iterable[str]) -> list[str]:
-    """The names in a folder that no run writes (sorted)."""
-    ours = RUN_FILES | {MARKER_FILE, LOCK_FILE}
+def foreign_files(names: Iterable[str], *, run_files: bool = False) -> list[str]:
+    """The names in a folder that are not a run's (sorted), the run's own file names counted as
+    a run's only when ``run_files`` (an unmarked folder's ``config.json`` may be the user's)."""
+    ours = (RUN_FILES if run_files else frozenset()) | {MARKER_FILE, LOCK_FILE}
     return sorted(name for name in names if name not in ours and not is_run_temporary(name))
 
 
@@ -228,12 +229,14 @@ def claim_resumed_folder(run_dir: str, *, has_run_checkpoint: bool) -> FolderCla
     """Lock a run folder to resume it; ResumeError unless it is microbatch's.
 
     ``has_run_checkpoint``: the folder's checkpoint.pt is a microbatch train checkpoint (checked by
-    its contents), which recognises a run folder made before markers existed; it is marked now.
+    its contents). With it, a folder made before markers existed, holding a run's files and nothing
+    else, is recognised as a run folder; it is marked now.
     """
     if not os.path.isdir(run_dir):
         raise ResumeError(f"--resume: {run_dir!r} is not a folder; pass --out runs/NAME of a microbatch run")
     marker = read_marker(run_dir)
-    if marker is None and not has_run_checkpoint:
+    legacy = has_run_checkpoint and not foreign_files(os.listdir(run_dir), run_files=True)
+    if marker is None and not legacy:
         raise ResumeError(
             f"--resume: {run_dir!r} is not a microbatch run folder (no {MARKER_FILE}); pass the --out "
             "of a microbatch run, or start a new run without --resume"

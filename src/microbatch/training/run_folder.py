@@ -191,7 +191,7 @@ def _looks_like_run(folder: str) -> bool:
     """A checkpoint and the marker (or, for a folder made before markers, only a run's own files)."""
     with contextlib.suppress(OSError):
         names = os.listdir(folder)
-        return CHECKPOINT_FILE in names and (MARKER_FILE in names or not foreign_files(names))
+        return CHECKPOINT_FILE in names and (MARKER_FILE in names or not foreign_files(names, run_files=True))
     return False
 
 
