@@ -254,3 +254,26 @@ def test_sighup_saves_and_exits_129(tmp_path: Path) -> None:
     assert returncode == 129, err
     assert "Traceback" not in err
     assert (run_dir / "checkpoint.pt").is_file() and (run_dir / "summary.json").is_file()
+
+
+DAMAGES = [
+    ("step", -5, "step -5"),
+    ("step", "abc", "step 'abc'"),
+    ("ranks", [], "ranks"),
+    ("plan", "x", "plan is str"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "said"), DAMAGES)
+def test_a_damaged_checkpoint_is_refused_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str, value: Any, said: str
+) -> None:
+    import torch
+
+    run_dir = tmp_path / "r"
+    assert run_train(*NANO, "--steps", "2", "--out", str(run_dir), capsys=capsys)[0] == 0
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    state[field] = value
+    torch.save(state, run_dir / "checkpoint.pt")
+    line = clear_error(*run_train("--resume", "--steps", "3", "--out", str(run_dir), capsys=capsys))
+    assert "is damaged" in line and said in line
