@@ -25,7 +25,8 @@ OWNER = "runs"
 def _refused(ran: Ran, *fragments: str) -> tuple[str, str]:
     """clear error when refused with status 2 and every fragment in the last line; else what it was."""
     outcome, detail = judged(ran, ok=lambda r: False)
-    if outcome == "clear error" and not all(fragment in detail for fragment in fragments):
+    last_line = (ran.err.strip().splitlines() or [""])[-1]  # the whole line (detail is cut at 160)
+    if outcome == "clear error" and not all(fragment in last_line for fragment in fragments):
         return "traceback", f"misleading (wants {fragments}): {detail}"
     if outcome == "clear error" and "error in your code" in ran.err:
         return "traceback", "blames the user's code: " + detail
