@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import weakref
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -150,24 +151,37 @@ class Plan:
         """Checkpoint the chosen blocks of ``model`` and return an Accumulator for ``steps`` micro-batches.
 
         ``accumulator_options`` go to Accumulator (scheduler, max_grad_norm, scaler, ...). Feed it
-        micro-batches of ``micro_batch_sizes`` (``plan.split(batch)`` cuts a rank's batch).
-        ``plan.remove(model)`` undoes the checkpointing; applying a plan to a model that already has
-        one applied raises ConfigError (remove it first).
+        micro-batches of ``micro_batch_sizes`` (``plan.split(batch)`` cuts a rank's batch): it
+        warns once when a full window holds another number of samples than the plan's per-rank
+        batch. ``plan.remove(model)`` undoes the checkpointing and closes that Accumulator;
+        applying a plan to a model that already has one applied raises ConfigError (remove it first).
         """
         if _APPLIED in model.__dict__:
             raise ConfigError(
                 "plan.apply(model, ...): this model already has a plan applied; call plan.remove(model) "
                 "first, then apply the new plan"
             )
+        accumulator_options.setdefault("samples_per_window", sum(self.micro_batch_sizes))
         handle = self.checkpoint(model)
-        model.__dict__[_APPLIED] = handle
-        return Accumulator(model, optimizer, steps=self.steps, **accumulator_options)
+        try:
+            accumulator = Accumulator(model, optimizer, steps=self.steps, **accumulator_options)
+        except BaseException:
+            if handle is not None:
+                handle.remove()
+            raise
+        model.__dict__[_APPLIED] = (handle, weakref.ref(accumulator))
+        return accumulator
 
     def remove(self, model: nn.Module) -> None:
-        """Undo ``apply``: the model's blocks are plain again. A model with no plan applied is left as is."""
-        handle = model.__dict__.pop(_APPLIED, None)
-        if handle is not None:
-            handle.remove()
+        """Undo ``apply``: the model's blocks are plain again and apply's Accumulator is closed (its
+        gradient hooks removed). A model with no plan applied is left as is."""
+        applied = model.__dict__.pop(_APPLIED, None)
+        if applied is not None:
+            handle, accumulator = applied
+            if handle is not None:
+                handle.remove()
+            if (closing := accumulator()) is not None:
+                closing.close()
 
     def check_model(self, model: nn.Module, *, device: torch.device | str | None = None) -> None:
         """Raise ConfigError unless ``model`` (and ``device``) is what this plan was made for.
