@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -14,7 +15,7 @@ from .. import distributed
 from ..accumulate import schedules
 from ..errors import ConfigError, WorkloadError
 from ..models.corpus import DEFAULT_MAX_BYTES
-from ..models.gpt import GPT_SIZES
+from ..models.gpt import GPT_SIZES, gpt_config
 from .tokens import parse_max_tokens
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,32 @@ def _check_finite(config: TrainConfig) -> None:
         raise ConfigError(f"max_grad_norm must be positive or None, got {config.max_grad_norm}")
 
 
+def _host_memory_bytes() -> int | None:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # not POSIX
+        return None
+
+
+def _check_window_fits_host(config: TrainConfig) -> None:
+    """Refuse at once a batch whose window of token ids cannot exist in this machine's memory.
+
+    A window is drawn whole on the host (loop._window_batches): per-rank batch x block_size x
+    2 int64 tensors (inputs, labels) = 16 bytes per token. A batch past that would be refused by the
+    planner only after profiling (minutes), or fail allocating.
+    """
+    host_bytes = _host_memory_bytes()
+    bytes_per_sequence = 16 * gpt_config(config.model).block_size
+    world = max(1, distributed.world_size())
+    if host_bytes is not None and config.batch // world * bytes_per_sequence > host_bytes:
+        fits = host_bytes // bytes_per_sequence * world
+        raise ConfigError(
+            f"--batch {config.batch}: one window's token ids alone would take "
+            f"{config.batch // world * bytes_per_sequence:,} bytes, more than this machine's "
+            f"{host_bytes:,} bytes of memory; at most --batch {fits:,} fits"
+        )
+
+
 def validate_config(config: TrainConfig) -> None:
     """Raise ConfigError / WorkloadError naming the flag for any setting a run cannot use."""
     _check_finite(config)
@@ -126,6 +153,7 @@ def validate_config(config: TrainConfig) -> None:
     for ok, message in _flag_checks(config):
         if not ok:
             raise ConfigError(message)
+    _check_window_fits_host(config)
     parse_max_tokens(config.max_tokens)
     world = distributed.world_size()
     if config.pipeline > 1:

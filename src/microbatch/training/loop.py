@@ -38,7 +38,7 @@ from . import pipelined
 from .plan import plan_without, planning_workload
 from .ranks import on_rank_zero
 from .report import StepReport
-from .run_folder import METRICS_FILE
+from .run_folder import METRICS_FILE, append_line
 from .session import Session, accumulator, release_plan, save, storage_error, use_plan
 from .signals import StopFlag
 from .tokens import split_window
@@ -326,8 +326,7 @@ def _append_metrics(session: Session, record: dict[str, Any]) -> None:
     if distributed.is_rank_zero():
         path = os.path.join(session.run_dir, METRICS_FILE)
         try:
-            with open(path, "a") as file:
-                file.write(json.dumps(record) + "\n")
+            append_line(path, json.dumps(record) + "\n")
         except OSError as error:
             raise storage_error(path, session.step, error) from error
 

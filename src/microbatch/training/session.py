@@ -258,6 +258,9 @@ def storage_error(path: str, step: int, error: OSError) -> TrainingError:
         reason, fix = "the disk is full", "free space (or choose another --out)"
     elif error.errno == errno.EDQUOT:
         reason, fix = "the disk quota is exhausted", "free space in your quota (or choose another --out)"
+    elif error.errno in (errno.ELOOP, errno.EINVAL):  # ownership.open_no_follow's refusals
+        reason = "it is now a symbolic link or not a file; microbatch writes only the run's own files"
+        fix = "put the run's own file back (or choose another --out)"
     elif error.errno == errno.EFBIG:
         reason = "the file is larger than this process's file-size limit allows (EFBIG)"
         fix = "raise the limit (ulimit -f unlimited, or your scheduler's file-size limit)"
