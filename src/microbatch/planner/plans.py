@@ -25,6 +25,7 @@ from ..errors import ConfigError
 from ..memory import format_bytes
 from ..trees.batches import split_batch
 from ..trees.modules import unwrap_compiled
+from .plan_checks import check_plan_data, read_plan_file
 
 NONE = "none"
 # print(plan) shows this many frontier rows around the chosen one; to_dict() holds them all.
@@ -243,7 +244,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
-        """The plan ``to_dict`` wrote; ConfigError naming what is missing or malformed."""
+        """The plan ``to_dict`` wrote; ConfigError naming the field that is missing or wrong (plan_checks)."""
+        check_plan_data(data)
         try:
             values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
             values["micro_batch_sizes"] = tuple(int(size) for size in data["micro_batch_sizes"])
@@ -282,18 +284,24 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
-        """The plan saved at ``path``; ConfigError naming the file when it is missing or not a plan."""
+        """The plan saved at ``path``; ConfigError naming the file and the field when it is not a plan.
+
+        The file is read within bounds (plan_checks.read_plan_file: a regular file, at most
+        MAX_PLAN_BYTES, never waiting on a FIFO) and checked field by field before it is used.
+        """
         try:
-            with open(path) as file:
-                data = json.load(file)
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"plan {os.fspath(path)!r} cannot be read: {error}") from error
-        if not isinstance(data, dict):
-            raise ConfigError(f"plan {os.fspath(path)!r} is not a microbatch plan (a JSON object)")
-        try:
+            text = read_plan_file(os.fspath(path)).decode("utf-8")
+            data = json.loads(text)
             return cls.from_dict(data)
-        except ConfigError as error:
-            raise ConfigError(f"plan {os.fspath(path)!r}: {error}") from error
+        except (UnicodeDecodeError, ValueError, RecursionError) as error:
+            if isinstance(error, ConfigError):
+                raise ConfigError(f"plan {os.fspath(path)!r} {error}") from error
+            what = (
+                "nested too deeply"
+                if isinstance(error, RecursionError)
+                else f"{type(error).__name__}: {error}"
+            )
+            raise ConfigError(f"plan {os.fspath(path)!r} is not JSON ({what})") from error
 
     @classmethod
     def manual(
