@@ -1,6 +1,6 @@
 """Exact gradient accumulation with Lightning's automatic optimization and ``accumulate_grad_batches``.
 
-    pip install microbatch lightning
+    pip install -e . lightning                        # from the microbatch checkout
     python examples/lightning_automatic.py            # a second on a CPU
 
 A next-token model on variable-length sequences: each micro-batch holds a different number of
