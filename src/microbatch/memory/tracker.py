@@ -324,13 +324,22 @@ class MemoryTracker:
         self._register(tensor, "temporaries", recategorize=False)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Count a tensor autograd saves; keep it as a detached alias (same storage and version).
+
+        Not the tensor itself: autograd saves some tensors that are outputs of the node saving them
+        (relu, tanh, exp save their result), and such a tensor, held by its own grad_fn through the
+        hook, makes a reference cycle through autograd's C++ graph that Python's collector cannot
+        break. A graph never backpropagated (a forward under no loss.backward(), an exception or an
+        OOM mid-forward) then stayed alive for good. A detached alias holds the storage without the
+        grad_fn, as torch's own saving does for outputs.
+        """
         if isinstance(tensor, torch.nn.Parameter):
             self._see_input(tensor)
-        else:
-            entry = self._register(tensor, "saved activations", recategorize=False)
-            if entry is not None and entry.category in ("temporaries", "other"):
-                self._move(entry, "saved activations")
-        return tensor
+            return tensor
+        entry = self._register(tensor, "saved activations", recategorize=False)
+        if entry is not None and entry.category in ("temporaries", "other"):
+            self._move(entry, "saved activations")
+        return tensor.detach()
 
     def _before_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         self._step_start_seq = self._seq
