@@ -219,7 +219,14 @@ def plans_and_speed(work: mb.Workload, *, rounds: int) -> dict[str, Any]:
     model = Model(profile)
     predicted = {size: model.evaluate(_sizes(size), {}).peak_bytes for size in (2, 3)}
     budget = (predicted[2] + predicted[3]) // 2
-    options = {"batch": BATCH, "memory": budget, "profile": profile, "min_micro_batch_size": 2}
+    # trial=False: the runners below measure each configuration's peak over a whole window anyway
+    options = {
+        "batch": BATCH,
+        "memory": budget,
+        "profile": profile,
+        "min_micro_batch_size": 2,
+        "trial": False,
+    }
     plans = {
         "none": mb.plan(work, policies=["none"], **options),
         "plan": mb.plan(work, **options),
@@ -278,9 +285,12 @@ def compile_check(work: mb.Workload, plan_model: nn.Module) -> dict[str, float]:
     return {"compile_seconds": seconds, "relative_error": _relative_error(got, eager)}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, done: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Every model in turn; ``done(report)`` after each (the section is rewritten as models finish)."""
     torch.set_num_threads(args.threads)
     report: dict[str, Any] = {"image": args.image, "batch": BATCH, "rounds": args.rounds, "models": {}}
+    report["environment"] = results.environment()
+    report["versions"] = {"torch": torch.__version__, "torchvision": torchvision.__version__}
     for name in args.models:
         began = time.perf_counter()
         work = make_workload(name, args.image)
@@ -298,8 +308,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         entry["seconds"] = time.perf_counter() - began
         print(f"{name}: {entry['rows']} ({entry['seconds']:.0f} s)", file=sys.stderr)
         report["models"][name] = entry
-    report["environment"] = results.environment()
-    report["versions"] = {"torch": torch.__version__, "torchvision": torchvision.__version__}
+        done(report)
     return report
 
 
@@ -381,11 +390,11 @@ DEFAULT_MODELS = "resnet50,convnext_tiny,efficientnet_b0,vit_b_16,swin_t,deeplab
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated, default {DEFAULT_MODELS}")
-    parser.add_argument("--image", type=int, default=32, help="image side in pixels (default 32)")
+    parser.add_argument("--image", type=int, default=16, help="image side in pixels (default 16)")
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds (default 2)")
     parser.add_argument("--grad-image", type=int, default=16, help="image side of the float64 checks")
     parser.add_argument("--compile", default="resnet50,efficientnet_b0", help="models to torch.compile")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--quick", action="store_true", help="resnet50 and efficientnet_b0, one round")
     results.add_output_arguments(parser)
     args = parser.parse_args(argv)
@@ -397,10 +406,16 @@ def main(argv: list[str] | None = None) -> int:
         args.models, args.rounds, args.compile = "resnet50,efficientnet_b0", 1, ""
     args.models = [m for m in args.models.split(",") if m]
     args.compile = [m for m in args.compile.split(",") if m]
-    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        report = run(args)
     rest = [arg for arg in (sys.argv[1:] if argv is None else list(argv)) if arg != "--json"]
-    report["command"] = " ".join(["/work/venv-vision/bin/python", "benchmarks/vision_real.py", *rest])
+    command = " ".join(["/work/venv-vision/bin/python", "benchmarks/vision_real.py", *rest])
+
+    def done(report: dict[str, Any]) -> None:
+        report["command"] = command
+        if not (args.json or args.no_write):
+            results.write_section(SECTION_TITLE, section(report))
+
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        report = run(args, done)
     return results.emit(SECTION_TITLE, section(report), report, json_mode=args.json, write=not args.no_write)
 
 
