@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import weakref
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -24,6 +25,7 @@ from ..errors import ConfigError
 from ..memory import format_bytes
 from ..trees.batches import split_batch
 from ..trees.modules import unwrap_compiled
+from .plan_checks import check_plan_data, read_plan_file
 
 NONE = "none"
 # print(plan) shows this many frontier rows around the chosen one; to_dict() holds them all.
@@ -149,24 +151,37 @@ class Plan:
         """Checkpoint the chosen blocks of ``model`` and return an Accumulator for ``steps`` micro-batches.
 
         ``accumulator_options`` go to Accumulator (scheduler, max_grad_norm, scaler, ...). Feed it
-        micro-batches of ``micro_batch_sizes`` (``plan.split(batch)`` cuts a rank's batch).
-        ``plan.remove(model)`` undoes the checkpointing; applying a plan to a model that already has
-        one applied raises ConfigError (remove it first).
+        micro-batches of ``micro_batch_sizes`` (``plan.split(batch)`` cuts a rank's batch): it
+        warns once when a full window holds another number of samples than the plan's per-rank
+        batch. ``plan.remove(model)`` undoes the checkpointing and closes that Accumulator;
+        applying a plan to a model that already has one applied raises ConfigError (remove it first).
         """
         if _APPLIED in model.__dict__:
             raise ConfigError(
                 "plan.apply(model, ...): this model already has a plan applied; call plan.remove(model) "
                 "first, then apply the new plan"
             )
+        accumulator_options.setdefault("samples_per_window", sum(self.micro_batch_sizes))
         handle = self.checkpoint(model)
-        model.__dict__[_APPLIED] = handle
-        return Accumulator(model, optimizer, steps=self.steps, **accumulator_options)
+        try:
+            accumulator = Accumulator(model, optimizer, steps=self.steps, **accumulator_options)
+        except BaseException:
+            if handle is not None:
+                handle.remove()
+            raise
+        model.__dict__[_APPLIED] = (handle, weakref.ref(accumulator))
+        return accumulator
 
     def remove(self, model: nn.Module) -> None:
-        """Undo ``apply``: the model's blocks are plain again. A model with no plan applied is left as is."""
-        handle = model.__dict__.pop(_APPLIED, None)
-        if handle is not None:
-            handle.remove()
+        """Undo ``apply``: the model's blocks are plain again and apply's Accumulator is closed (its
+        gradient hooks removed). A model with no plan applied is left as is."""
+        applied = model.__dict__.pop(_APPLIED, None)
+        if applied is not None:
+            handle, accumulator = applied
+            if handle is not None:
+                handle.remove()
+            if (closing := accumulator()) is not None:
+                closing.close()
 
     def check_model(self, model: nn.Module, *, device: torch.device | str | None = None) -> None:
         """Raise ConfigError unless ``model`` (and ``device``) is what this plan was made for.
@@ -229,7 +244,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
-        """The plan ``to_dict`` wrote; ConfigError naming what is missing or malformed."""
+        """The plan ``to_dict`` wrote; ConfigError naming the field that is missing or wrong (plan_checks)."""
+        check_plan_data(data)
         try:
             values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
             values["micro_batch_sizes"] = tuple(int(size) for size in data["micro_batch_sizes"])
@@ -268,18 +284,24 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
-        """The plan saved at ``path``; ConfigError naming the file when it is missing or not a plan."""
+        """The plan saved at ``path``; ConfigError naming the file and the field when it is not a plan.
+
+        The file is read within bounds (plan_checks.read_plan_file: a regular file, at most
+        MAX_PLAN_BYTES, never waiting on a FIFO) and checked field by field before it is used.
+        """
         try:
-            with open(path) as file:
-                data = json.load(file)
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"plan {os.fspath(path)!r} cannot be read: {error}") from error
-        if not isinstance(data, dict):
-            raise ConfigError(f"plan {os.fspath(path)!r} is not a microbatch plan (a JSON object)")
-        try:
+            text = read_plan_file(os.fspath(path)).decode("utf-8")
+            data = json.loads(text)
             return cls.from_dict(data)
-        except ConfigError as error:
-            raise ConfigError(f"plan {os.fspath(path)!r}: {error}") from error
+        except (UnicodeDecodeError, ValueError, RecursionError) as error:
+            if isinstance(error, ConfigError):
+                raise ConfigError(f"plan {os.fspath(path)!r} {error}") from error
+            what = (
+                "nested too deeply"
+                if isinstance(error, RecursionError)
+                else f"{type(error).__name__}: {error}"
+            )
+            raise ConfigError(f"plan {os.fspath(path)!r} is not JSON ({what})") from error
 
     @classmethod
     def manual(
