@@ -19,8 +19,8 @@ from ..hf.configs import (
 )
 from ..memory.device_specs import device_spec, devices
 from ..planner import plan
+from ..planner.options import SHARDS
 from ..planner.plot import save_frontier_plot
-from ..planner.ranks import SHARDS
 from ..workload import BUILTIN_WORKLOADS, load_workload
 
 

@@ -33,8 +33,7 @@ from ..errors import ConfigError
 from ..memory.device_specs import DeviceSpec
 from ..profile.costs import NONE, Fit, Profile
 from ..profile.roofline import all_gather_seconds, all_reduce_seconds
-
-SHARDS = ("none", "ddp", "fsdp")
+from .options import SHARDS
 
 
 def _parameter_bytes(module: nn.Module) -> int:

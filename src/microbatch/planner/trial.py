@@ -43,6 +43,7 @@ from ..memory.oom import attempt
 from ..profile import Profile, ProgressFn, profile_workload
 from ..workload import Workload, load_workload
 from .choices import faster_without_margin, last_resort
+from .options import DEFAULT_MAX_PROFILE_SIZE, PlanOptions
 from .outcome import PlanRequest, Setup, plan_of
 from .plans import Plan, summarize_policies
 from .ranks import shard_profile
@@ -61,9 +62,6 @@ from .simulated import profile_for, resolve_target, target_budget
 from .trial_window import TrialResult, run_trial
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_TRIALS = 6
-DEFAULT_MAX_PROFILE_SIZE = 16
 
 
 def _attempt(workload: Workload, candidate: Candidate) -> TrialResult | None:
@@ -110,46 +108,20 @@ def plan(
     *,
     batch: int,
     memory: str | int | float,
-    world_size: int = 1,
-    blocks: BlockSpec = "auto",
-    policies: Sequence[str] | None = None,
-    profile: Profile | None = None,
-    trial: bool = True,
-    max_trials: int = DEFAULT_MAX_TRIALS,
-    max_profile_micro_batch_size: int | None = None,
-    progress: ProgressFn | None = None,
-    gradient_as_bucket_view: bool = False,
-    min_micro_batch_size: int = 1,
-    even: bool = False,
-    prefer_large_micro_batches: bool = False,
-    device: Any = None,
-    simulate: bool = False,
-    shard: str = "none",
+    options: PlanOptions | None = None,
+    **keywords: Any,
 ) -> Plan:
     """The fastest plan for an effective batch of ``batch`` samples within ``memory`` bytes of peak.
 
     ``memory``: bytes, a size such as "8GiB", or a fraction of the device's memory (see parse_bytes).
-    ``blocks`` / ``policies``: which blocks may be checkpointed and how (default: "auto", and none,
-    full, selective, plus offload on accelerators). ``profile``: reuse one from ``profile_workload``.
-    ``trial``: prove the plan in one real window (recommended; False trusts the model).
-    ``device``: a torch device (profile there for real) or a DeviceSpec / preset name (simulate);
-    ``simulate``: predict under fake tensors, no kernel run and no trial (see planner/simulated.py).
-    ``shard``: none, ddp or fsdp across ``world_size`` ranks (per-rank memory, see planner/ranks.py).
-    ``max_profile_micro_batch_size``: the largest size profiled; by default 16, extended to the
-    micro-batch the search chooses when that is larger (profiled before it is trusted).
-    ``gradient_as_bucket_view``: with world_size > 1 the plan counts DDP's gradient buckets, a
-    second copy of the gradients, unless DDP will run with gradient_as_bucket_view=True.
-    The budget: peak live tensor bytes on the CPU; on CUDA peak reserved bytes of the caching
-    allocator plus what is measured outside it (see planner.reserve).
-    ``min_micro_batch_size``, ``even``, ``prefer_large_micro_batches``: how the batch may be split
-    (planner/rules.py). A torch.compile'd model is profiled eagerly (the module inside it).
-    ``progress``: called as ``progress(what, done, total)`` while profiling runs (what is running,
-    runs done, runs in all) and once per trial window (``total`` 1); the CLI draws it as a line.
-    Without it, the planner still logs one INFO line per phase (profile, each trial, the choice)
-    to ``logging.getLogger("microbatch.planner.trial")``.
+    Every other option is a field of PlanOptions (planner/options.py: world_size, blocks, policies,
+    profile, trial, device, simulate, shard, ...), passed as a keyword (``trial=False``) or as
+    ``options=PlanOptions(...)`` (keywords then replace its fields). A torch.compile'd model is
+    profiled eagerly (the module inside it). Without ``progress``, the planner still logs one INFO
+    line per phase (profile, each trial, the choice) to ``logging.getLogger("microbatch.planner.trial")``.
     Raises InfeasibleBudgetError when no plan fits; never lets an out-of-memory error escape.
     """
-    request = PlanRequest(**locals())  # the arguments above, as one value
+    request = PlanRequest(workload, batch, memory, PlanOptions.of(options, keywords))
     began = time.perf_counter()
     setup = _prepare(request)
     chosen, result, trials = _search_and_prove(setup, request)
@@ -158,13 +130,14 @@ def plan(
 
 def _prepare(request: PlanRequest) -> Setup:
     """Check the request, refuse what cannot fit before profiling, then profile (or take the profile)."""
+    options = request.options
     workload = load_workload(request.workload) if isinstance(request.workload, str) else request.workload
     workload, compile_notes = eager_workload(workload)
-    world_size, shard = request.world_size, request.shard
+    world_size, shard = options.world_size, options.shard
     per_rank_batch = validate_batch(request.batch, world_size)
-    rules = SplitRules(request.min_micro_batch_size, request.even, request.prefer_large_micro_batches)
+    rules = SplitRules(options.min_micro_batch_size, options.even, options.prefer_large_micro_batches)
     rules.check_batch(per_rank_batch, world_size)
-    spec = resolve_target(workload, request.device, request.simulate)
+    spec = resolve_target(workload, options.device, options.simulate)
     budget_bytes = target_budget(request.memory, spec, workload)
     reserve = outside_the_model(
         workload,
@@ -172,7 +145,7 @@ def _prepare(request: PlanRequest) -> Setup:
         memory=request.memory,
         # shard="ddp" / "fsdp": ranks.shard_profile counts the data-parallel extras instead
         world_size=world_size if shard == "none" else 1,
-        gradient_as_bucket_view=request.gradient_as_bucket_view,
+        gradient_as_bucket_view=options.gradient_as_bucket_view,
     )
     shards = world_size if shard == "fsdp" else 1
     refuse_budget_below_weights(workload, budget_bytes - reserve.total_bytes, reserve, shards=shards)
@@ -196,13 +169,14 @@ def _profile(
     capacity_bytes: int,
 ) -> Profile:
     """The request's profile, or one measured (simulated on ``spec``) and extended to the choice."""
-    profile = request.profile
-    extend = profile is None and request.max_profile_micro_batch_size is None and spec is None
+    options = request.options
+    profile = options.profile
+    extend = profile is None and options.max_profile_micro_batch_size is None and spec is None
     if profile is None:
-        options = {"blocks": request.blocks, "policies": request.policies, "progress": request.progress}
-        largest = request.max_profile_micro_batch_size or DEFAULT_MAX_PROFILE_SIZE
+        kinds = {"blocks": options.blocks, "policies": options.policies, "progress": options.progress}
+        largest = options.max_profile_micro_batch_size or DEFAULT_MAX_PROFILE_SIZE
         profile_fn = functools.partial(profile_for, spec=spec, real=profile_workload)
-        profile = profile_with_rules(profile_fn, workload, rules, per_rank_batch, largest, **options)
+        profile = profile_with_rules(profile_fn, workload, rules, per_rank_batch, largest, **kinds)
         logger.info(
             "planning %s: profiled %d blocks at micro-batch sizes %s in %.1f s",
             workload.name,
@@ -216,9 +190,9 @@ def _profile(
             profile,
             per_rank_batch=per_rank_batch,
             capacity_bytes=capacity_bytes,
-            blocks=request.blocks,
-            policies=request.policies,
-            progress=request.progress,
+            blocks=options.blocks,
+            policies=options.policies,
+            progress=options.progress,
             rules=rules,
         )
     return profile
@@ -239,7 +213,7 @@ class _Trials:
 
 def _search_and_prove(setup: Setup, request: PlanRequest) -> tuple[Candidate, SearchResult, _Trials]:
     """Search, try the choice in one real window, re-plan until a trial fits (see the module docstring)."""
-    trial = request.trial and setup.spec is None
+    trial = request.options.trial and setup.spec is None
     trials = _Trials()
     margin_free_pending = trial
     while True:
@@ -271,7 +245,7 @@ def _search_and_prove(setup: Setup, request: PlanRequest) -> tuple[Candidate, Se
         if trials.out_of_memory:  # before giving up after out-of-memory trials: the smallest plan, once
             budget = setup.model_budget_bytes
             chosen = last_resort(
-                chosen, trials.count >= request.max_trials, result, budget, trials.tried, setup.notes
+                chosen, trials.count >= request.options.max_trials, result, budget, trials.tried, setup.notes
             )
         if chosen is None:
             error = no_plan_error(
@@ -298,14 +272,16 @@ def _prove(
 ) -> bool:
     """One trial of ``chosen``: True when its measured peak fits; else what it taught goes into ``trials``."""
     notes = setup.notes
-    refuse_after_max_trials(chosen, result, trials.count, request.max_trials, setup.budget_bytes, notes)
+    refuse_after_max_trials(
+        chosen, result, trials.count, request.options.max_trials, setup.budget_bytes, notes
+    )
     trials.count += 1
     trials.tried.add(candidate_key(chosen))
     policies = summarize_policies(chosen.block_policies)
     what = f"micro-batch {chosen.micro_batch_size} x {chosen.steps} with {policies}"
     logger.info("planning %s: trial %d: %s", setup.workload.name, trials.count, what)
-    if request.progress is not None:
-        request.progress(f"trial {trials.count}: {what}", 0, 1)
+    if request.options.progress is not None:
+        request.options.progress(f"trial {trials.count}: {what}", 0, 1)
     measured = trials.measured = _attempt(setup.workload, chosen)
     if measured is None:
         # The failed plan's real peak is unknown: bisect between the smallest plan and it.
