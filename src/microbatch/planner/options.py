@@ -13,9 +13,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..checkpointing.api import BlockSpec
 from ..errors import ConfigError
 from ..profile import Profile, ProgressFn
+from .applying import GRADIENT_SYNCS
 
 DEFAULT_MAX_TRIALS = 6
 DEFAULT_MAX_PROFILE_SIZE = 16
@@ -60,6 +63,14 @@ class PlanOptions:
     simulate: bool = False
     # none, ddp or fsdp across world_size ranks (per-rank memory, planner/ranks.py).
     shard: str = "none"
+    # Options that change memory, so the profile and the trial run with them and plan.apply holds to
+    # them (planner/applying.py): low-precision gradients summed in this dtype (Accumulator's
+    # accumulate_dtype), a GradScaler stepping the window, and under shard="fsdp" the gradient sync:
+    # "window" (reduce-scatter once, unsharded gradients held), "micro-batch" (every backward), or
+    # None: the faster plan that fits of the two (planner/ranks.py).
+    accumulate_dtype: torch.dtype | None = None
+    scaler: bool = False
+    gradient_sync: str | None = None
 
     def __post_init__(self) -> None:
         _positive_int("world_size", self.world_size)
@@ -69,7 +80,27 @@ class PlanOptions:
             _positive_int("max_profile_micro_batch_size", self.max_profile_micro_batch_size)
         if self.shard not in SHARDS:
             raise ConfigError(f"shard={self.shard!r}: choose one of {', '.join(SHARDS)}")
-        for name in ("trial", "gradient_as_bucket_view", "even", "prefer_large_micro_batches", "simulate"):
+        if self.gradient_sync not in (None, *GRADIENT_SYNCS):
+            raise ConfigError(
+                f"gradient_sync={self.gradient_sync!r}: choose one of {', '.join(GRADIENT_SYNCS)}, or None "
+                "(the planner chooses)"
+            )
+        if self.accumulate_dtype is not None and not (
+            isinstance(self.accumulate_dtype, torch.dtype) and self.accumulate_dtype.is_floating_point
+        ):
+            raise ConfigError(
+                "accumulate_dtype must be a floating torch.dtype such as torch.float32, "
+                f"got {self.accumulate_dtype!r}"
+            )
+        names = (
+            "trial",
+            "gradient_as_bucket_view",
+            "even",
+            "prefer_large_micro_batches",
+            "simulate",
+            "scaler",
+        )
+        for name in names:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from ..memory.device_specs import DeviceSpec
 from ..profile import Profile
 from ..workload import Workload
+from .applying import dtype_name
 from .options import PlanOptions
 from .plans import FrontierPoint, Plan, summarize_policies
 from .reserve import BudgetReserve
@@ -46,6 +47,7 @@ class Setup:
     per_rank_batch: int
     bytes_per_sample: int
     notes: list[str]
+    gradient_sync: str = "window"  # FSDP2's sync mode, chosen with the per-rank profile (sharding.py)
 
     @property
     def model_budget_bytes(self) -> int:
@@ -96,6 +98,9 @@ def plan_of(
         max_tokens=token_budget(workload, chosen.micro_batch_size),
         parameters=sum(parameter.numel() for parameter in workload.model.parameters()),
         device=workload.device.type,
+        accumulate_dtype=dtype_name(request.options.accumulate_dtype),
+        scaler=request.options.scaler,
+        gradient_sync=setup.gradient_sync,
     )
     spec, shard = setup.spec, request.options.shard
     return finish(

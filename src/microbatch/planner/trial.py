@@ -46,7 +46,6 @@ from .choices import faster_without_margin, last_resort
 from .options import DEFAULT_MAX_PROFILE_SIZE, PlanOptions
 from .outcome import PlanRequest, Setup, plan_of
 from .plans import Plan, summarize_policies
-from .ranks import shard_profile
 from .refusals import (
     candidate_key,
     check_make_batch,
@@ -58,15 +57,17 @@ from .refusals import (
 from .reserve import outside_the_model, with_reserve
 from .rules import SplitRules, even_batch, profile_with_rules
 from .search import Candidate, SearchResult, search
+from .sharding import rank_profile, with_wide_gradients
 from .simulated import profile_for, resolve_target, target_budget
 from .trial_window import TrialResult, run_trial
 
 logger = logging.getLogger(__name__)
 
 
-def _attempt(workload: Workload, candidate: Candidate) -> TrialResult | None:
+def _attempt(workload: Workload, candidate: Candidate, options: PlanOptions) -> TrialResult | None:
     """The trial's result; None when it ran out of memory (memory freed)."""
-    return attempt(lambda: run_trial(workload, candidate), workload.device)
+    run = functools.partial(run_trial, accumulate_dtype=options.accumulate_dtype, scaler=options.scaler)
+    return attempt(lambda: run(workload, candidate), workload.device)
 
 
 def _extend_profile(
@@ -150,13 +151,35 @@ def _prepare(request: PlanRequest) -> Setup:
     shards = world_size if shard == "fsdp" else 1
     refuse_budget_below_weights(workload, budget_bytes - reserve.total_bytes, reserve, shards=shards)
     bytes_per_sample = check_make_batch(workload, per_rank_batch)
-    profile = _profile(request, workload, rules, spec, per_rank_batch, budget_bytes - reserve.total_bytes)
-    profile, extras = shard_profile(profile, workload.model, shard=shard, world_size=world_size, spec=spec)
     model_budget_bytes = budget_bytes - reserve.total_bytes
+    profile = _profile(request, workload, rules, spec, per_rank_batch, model_budget_bytes)
+    profile = with_wide_gradients(profile, workload.model, options.accumulate_dtype)
+    profile, extras, gradient_sync = rank_profile(
+        profile,
+        workload.model,
+        shard=shard,
+        world_size=world_size,
+        spec=spec,
+        gradient_sync=options.gradient_sync,
+        per_rank_batch=per_rank_batch,
+        capacity_bytes=model_budget_bytes,
+        rules=rules,
+        bytes_per_sample=bytes_per_sample,
+    )
     per_rank_batch, even_notes = even_batch(profile, per_rank_batch, model_budget_bytes, rules, world_size)
     notes = [*profile.notes, *reserve.notes, *compile_notes, *even_notes]
     return Setup(
-        workload, profile, extras, spec, rules, reserve, budget_bytes, per_rank_batch, bytes_per_sample, notes
+        workload,
+        profile,
+        extras,
+        spec,
+        rules,
+        reserve,
+        budget_bytes,
+        per_rank_batch,
+        bytes_per_sample,
+        notes,
+        gradient_sync,
     )
 
 
@@ -213,7 +236,14 @@ class _Trials:
 
 def _search_and_prove(setup: Setup, request: PlanRequest) -> tuple[Candidate, SearchResult, _Trials]:
     """Search, try the choice in one real window, re-plan until a trial fits (see the module docstring)."""
-    trial = request.options.trial and setup.spec is None
+    # A sharded plan's per-rank memory cannot be run in this one process: it is predicted only.
+    sharded = request.options.shard != "none" and request.options.world_size > 1
+    trial = request.options.trial and setup.spec is None and not sharded
+    if request.options.trial and setup.spec is None and sharded:
+        setup.notes.append(
+            f"shard={request.options.shard!r} over {request.options.world_size} ranks: no trial in this one "
+            "process (each rank's memory is predicted); prove it on the ranks with mb.prove"
+        )
     trials = _Trials()
     margin_free_pending = trial
     while True:
@@ -282,7 +312,7 @@ def _prove(
     logger.info("planning %s: trial %d: %s", setup.workload.name, trials.count, what)
     if request.options.progress is not None:
         request.options.progress(f"trial {trials.count}: {what}", 0, 1)
-    measured = trials.measured = _attempt(setup.workload, chosen)
+    measured = trials.measured = _attempt(setup.workload, chosen, request.options)
     if measured is None:
         # The failed plan's real peak is unknown: bisect between the smallest plan and it.
         failed = chosen.peak_bytes - trials.correction_bytes
