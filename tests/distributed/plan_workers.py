@@ -129,3 +129,38 @@ def train_plan(plan_dict: dict[str, Any], windows: int, apply_options: dict[str,
 def train_plans(plan_dicts: dict[str, dict[str, Any]], windows: int) -> dict[str, dict[str, Any]]:
     """``train_plan`` for each plan, by name, in one process group."""
     return {name: train_plan(plan_dict, windows, {}) for name, plan_dict in plan_dicts.items()}
+
+
+def ddp_plan(plan_dict: dict[str, Any], windows: int) -> dict[str, Any]:
+    """plan.apply on the DDP wrapper: blocks checkpointed inside, one all-reduce per window (no_sync)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    plan = mb.Plan.from_dict(plan_dict)
+    rank = dist.get_rank()
+    ddp = nn.parallel.DistributedDataParallel(make_model())
+    reduces: list[int] = []
+
+    def counted(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects string annotations
+        reduces.append(1)
+        return default_hooks.allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, counted)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.0)
+    captured: list[dict[str, torch.Tensor]] = []
+    optimizer.register_step_pre_hook(lambda *_: captured.append(_full_grads(ddp.module)))
+    accumulator = plan.apply(ddp, optimizer)
+    # checkpoint() gives each checkpointed block an instance forward
+    checkpointed = ["forward" in block.__dict__ for block in ddp.module.blocks]
+    per_window = []
+    for window in range(windows):
+        before = len(reduces)
+        feed = [micro_batch(window, rank, i, size) for i, size in enumerate(plan.micro_batch_sizes)]
+        for micro in accumulator.iterate(feed):
+            loss, items = loss_fn(ddp, micro.batch)
+            accumulator.backward(loss, items=items)
+            if micro.is_last:
+                accumulator.step()
+        per_window.append(len(reduces) - before)
+    plan.remove(ddp)
+    removed = not any("forward" in block.__dict__ for block in ddp.module.blocks)
+    return {"grads": captured, "reduces": per_window, "checkpointed": checkpointed, "removed": removed}
