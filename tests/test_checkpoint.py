@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib
 import logging
 from typing import Any
 
@@ -21,11 +20,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from microbatch.checkpointing import api as ckpt
 from microbatch.checkpointing.api import POLICIES, checkpoint, find_blocks
 from microbatch.errors import CheckpointError, ConfigError
 from microbatch.memory import MemoryTracker
-
-ckpt = importlib.import_module("microbatch.checkpointing.api")  # the module; mb.checkpoint is the function
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 EXACT = {"rtol": 0.0, "atol": 0.0}

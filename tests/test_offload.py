@@ -9,17 +9,15 @@ Gradients against an un-offloaded reference, float64, tolerance 1e-12.
 from __future__ import annotations
 
 import copy
-import importlib
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from microbatch.checkpointing import api as ckpt
 from microbatch.checkpointing.api import checkpoint
 from microbatch.checkpointing.offload import HostOffload, saved_on_host, thread_offload
-
-ckpt = importlib.import_module("microbatch.checkpointing.api")
 
 
 def _chain(depth: int = 4, width: int = 8) -> nn.Sequential:

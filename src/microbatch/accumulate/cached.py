@@ -48,7 +48,7 @@ from torch import nn
 
 from .. import distributed
 from ..errors import ConfigError, UsageError
-from ..trees.batches import batch_size_of, micro_batch_sizes, split_batch
+from ..trees.batches import batch_size_of, micro_batch_sizes, split_batch, tensors_of
 from .accumulator import Accumulator
 
 logger = logging.getLogger(__name__)
@@ -123,17 +123,7 @@ def _unflatten(structure: _Structure, tensors: Sequence[torch.Tensor]) -> Any:
 
 def _rng_devices(batch: Any) -> list[torch.device]:
     """Devices whose RNG encode may draw from: the batch's, and the current CUDA device if in use."""
-    devices: dict[str, torch.device] = {}
-    stack = [batch]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            if item.device.type not in ("cpu", "meta"):
-                devices[str(item.device)] = item.device
-        elif isinstance(item, Mapping):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
+    devices = {str(t.device): t.device for t in tensors_of(batch) if t.device.type not in ("cpu", "meta")}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         current = torch.device("cuda", torch.cuda.current_device())
         devices.setdefault(str(current), current)

@@ -1,6 +1,6 @@
 """The gradient arithmetic of ``Accumulator.step``, and how it is undone when the optimizer raises.
 
-The backwards left items_ri / R * grad(loss_ri) in .grad (accumulate.py's docstring), so one multiply
+The backwards left items_ri / R * grad(loss_ri) in .grad (accumulator.py's docstring), so one multiply
 by factor = R * W_avg / T makes it the full batch's gradient. Clipping multiplies by
 clip = min(1, max_norm / (norm + 1e-6)) (torch.nn.utils.clip_grad_norm_'s coefficient); both are
 applied as one multiply, factor * clip, just before the optimizer step. Gradients summed in a wide

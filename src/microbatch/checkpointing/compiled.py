@@ -1,6 +1,6 @@
 """Checkpointing and planning on models that ``torch.compile`` traces.
 
-Eager checkpointing (checkpoint.py) relies on Python running during the recompute: a call counter
+Eager checkpointing (api.py) relies on Python running during the recompute: a call counter
 tells the first forward from the recompute, BatchNorm's running statistics are swapped for scratch
 copies, and the selective policy learns which saved outputs the recompute never reaches. A compiled
 backward runs none of that Python. So when dynamo traces a checkpointed block, the block takes a

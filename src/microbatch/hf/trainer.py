@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..memory import format_bytes, parse_bytes
 from ..planner import Plan, plan
+from ..trees.batches import tensor_bytes
 from ..workload import Workload
 
 logger = logging.getLogger(__name__)
@@ -109,16 +110,6 @@ def _turn_off_hf_checkpointing(trainer: Any) -> None:
         logger.info("fit_trainer: model.config.use_cache set to False for training")
 
 
-def _input_bytes(batch: Any) -> int:
-    """Bytes of the tensors in a collated batch (a dict, list or tensor)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.numel() * batch.element_size()
-    values = (
-        batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else []
-    )
-    return sum(_input_bytes(value) for value in values)
-
-
 def fit_trainer(
     trainer: Any,
     *,
@@ -141,7 +132,7 @@ def fit_trainer(
     budget_bytes = parse_bytes(memory, device=workload.device, name="memory")
     # The Trainer fetches a window's micro-batches at once (to count its items): all but one of them
     # are live beyond what the planner's trial holds.
-    window_inputs_bytes = _input_bytes(workload.make_batch(1)) * (batch // world_size)
+    window_inputs_bytes = tensor_bytes(workload.make_batch(1)) * (batch // world_size)
     reserve_bytes = window_inputs_bytes + math.ceil(TRAINER_ALLOWANCE * budget_bytes)
     result = plan(
         workload,

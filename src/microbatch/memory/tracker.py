@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,6 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import ConfigError, UsageError
+from ..trees.batches import op_tensors
 from ..trees.modules import is_compiled
 from .units import format_bytes
 
@@ -34,17 +35,6 @@ class _Storage:
     event: int = 0  # its number in allocation_events (from 1), when recorded
 
 
-def _tensors(tree: Any) -> Iterator[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, (list, tuple)):
-        for item in tree:
-            yield from _tensors(item)
-    elif isinstance(tree, dict):
-        for item in tree.values():
-            yield from _tensors(item)
-
-
 class _LiveStorageMode(TorchDispatchMode):
     """Sees every aten op: registers the storages of its inputs (first sight) and outputs (new)."""
 
@@ -60,10 +50,10 @@ class _LiveStorageMode(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         tracker = self.tracker
-        for tensor in _tensors(args):
+        for tensor in op_tensors(args):
             tracker._see_input(tensor)
         out = func(*args, **(kwargs or {}))
-        for tensor in _tensors(out):
+        for tensor in op_tensors(out):
             tracker._see_output(tensor)
         tracker._update_peak()
         return out
@@ -155,7 +145,7 @@ class MemoryTracker:
         """Count tensors made before the block from the start (a tensor, or a list / tuple / dict)."""
         if category not in CATEGORIES:
             raise ConfigError(f"category={category!r} is not one of {', '.join(CATEGORIES)}")
-        for tensor in _tensors(tensors):
+        for tensor in op_tensors(tensors):
             self._register(tensor, category, recategorize=True)
         self._update_peak()
 
@@ -309,7 +299,7 @@ class MemoryTracker:
     def _register_optimizer_state(self, optimizer: torch.optim.Optimizer) -> list[_Storage]:
         entries = []
         for state in optimizer.state.values():
-            for tensor in _tensors(state):
+            for tensor in op_tensors(state):
                 entry = self._register(tensor, "optimizer state", recategorize=False)
                 if entry is not None:
                     entries.append(entry)

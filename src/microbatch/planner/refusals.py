@@ -6,13 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from ..errors import ConfigError, InfeasibleBudgetError, MicrobatchError, WorkloadError
 from ..memory import format_bytes
 from ..memory.optimizer_state import optimizer_state_bytes
 from ..profile import Profile
-from ..trees.batches import batch_size_of
+from ..trees.batches import batch_size_of, tensor_bytes
 from ..workload import Workload
 from .plans import summarize_policies
 from .reserve import BudgetReserve, with_reserve
@@ -91,18 +89,8 @@ def check_make_batch(workload: Workload, per_rank_batch: int) -> int:
                 f"make_batch({size}) of workload {workload.name!r} returned a batch of {found} samples; "
                 f"make_batch(b) must return exactly b samples (along dimension 0 of every tensor)"
             )
-        sample_bytes = _tensor_bytes(made) // size
+        sample_bytes = tensor_bytes(made) // size
     return sample_bytes
-
-
-def _tensor_bytes(batch: object) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.numel() * batch.element_size()
-    if isinstance(batch, dict):
-        return sum(_tensor_bytes(value) for value in batch.values())
-    if isinstance(batch, (list, tuple)):
-        return sum(_tensor_bytes(value) for value in batch)
-    return 0
 
 
 def refuse_window_too_long(per_rank_batch: int, budget_bytes: int, result: SearchResult) -> None:

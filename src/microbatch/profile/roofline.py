@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from ..memory.device_specs import DeviceSpec
+from ..trees.batches import op_tensors
 
 # Ops that move no data although their schema does not say "view".
 _FREE = {
@@ -37,19 +38,9 @@ _FREE = {
 }
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, (list, tuple)):
-        return [t for item in tree for t in _tensors(item)]
-    if isinstance(tree, dict):
-        return [t for item in tree.values() for t in _tensors(item)]
-    return []
-
-
 def tensor_bytes(tree: Any) -> int:
     """Bytes of the elements the tensors in ``tree`` hold (views count what they see)."""
-    return sum(t.numel() * t.element_size() for t in _tensors(tree))
+    return sum(t.numel() * t.element_size() for t in op_tensors(tree))
 
 
 def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
@@ -64,7 +55,7 @@ def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any)
 
 
 def _dtype(args: tuple[Any, ...], out: Any) -> torch.dtype:
-    for tensor in (*_tensors(args), *_tensors(out)):
+    for tensor in (*op_tensors(args), *op_tensors(out)):
         if tensor.is_floating_point():
             return tensor.dtype
     return torch.float32
@@ -91,10 +82,10 @@ class RooflineClock(TorchDispatchMode):
     def op_seconds(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float:
         """The roofline seconds of one op; 0 for views and ops that move no data."""
         in_place = str(getattr(func, "_overloadpacket", "")).endswith("_")  # _foreach_add_ returns None
-        if func in _FREE or getattr(func, "is_view", False) or not (_tensors(out) or in_place):
+        if func in _FREE or getattr(func, "is_view", False) or not (op_tensors(out) or in_place):
             return 0.0  # views, and metadata queries (device, sizes) that return no tensor
         # An in-place foreach op returns nothing but writes its first argument back.
-        written = tensor_bytes(out) if _tensors(out) else tensor_bytes(args[:1])
+        written = tensor_bytes(out) if op_tensors(out) else tensor_bytes(args[:1])
         moved = tensor_bytes(args) + tensor_bytes(kwargs) + written
         if moved == 0:
             return 0.0

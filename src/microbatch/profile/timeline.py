@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,38 +20,26 @@ from torch import nn
 
 from ..errors import WorkloadError
 from ..memory import MemoryTracker
+from ..trees.batches import tensors_of
 
 BEFORE, END_FORWARD, END = "start", "end forward", "end"
 WHOLE_MODEL = "(whole model)"
 
 
 def _first_grad_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value if value.requires_grad else None
-    if isinstance(value, Mapping):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            found = _first_grad_tensor(item)
-            if found is not None:
-                return found
-    return None
+    return next((t for t in tensors_of(value) if t.requires_grad), None)
 
 
 def unique_bytes(value: Any, seen: set[int] | None = None) -> int:
     """Bytes of the storages of the tensors in ``value`` (nested), each storage once."""
     seen = set() if seen is None else seen
-    if isinstance(value, torch.Tensor):
-        storage = value.untyped_storage()
-        if id(storage) in seen:
-            return 0
-        seen.add(id(storage))
-        return int(storage.nbytes())
-    if isinstance(value, Mapping):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(unique_bytes(item, seen) for item in value)
-    return 0
+    total = 0
+    for tensor in tensors_of(value):
+        storage = tensor.untyped_storage()
+        if id(storage) not in seen:
+            seen.add(id(storage))
+            total += int(storage.nbytes())
+    return total
 
 
 @dataclass

@@ -57,7 +57,7 @@ class Session:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     replans: int = 0
     documents: tuple[bytes, ...] = ()  # the training documents (the planner draws its own batches)
-    token_steps: TokenSteps | None = None  # set when micro-batches are split by tokens (tokens.py)
+    token_steps: TokenSteps | None = None  # set when micro-batches are split by tokens (training/tokens.py)
     eval_rows: int | None = None  # validation sequences per forward after an evaluation OOM (loop.py)
 
 

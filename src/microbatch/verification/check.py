@@ -16,8 +16,8 @@ Diagnostics explain a difference instead of just reporting it: randomness, item 
 a loss that miscounts its items, samples coupled within a batch, precision.
 
 Here: the arguments, the default tolerance, and the order of the passes. The passes and the
-comparison: verify_passes.py; the diagnostics: verify_diagnostics.py (precision: verify_precision.py);
-the report: verify_report.py.
+comparison: passes.py; the diagnostics: diagnostics.py (precision: precision.py);
+the report: report.py.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def verify(
     the batch's floating tensors are cast too). ``rtol`` bounds max|a - G| / max|G| (default by dtype,
     see DEFAULT_RTOL). The workload's model, its modes and the global RNG are left untouched.
     ``autocast`` (torch.bfloat16 / torch.float16) runs the loss under torch.autocast; autocast inside the
-    loss is detected. Either way the default rtol comes from the compute dtype (verify_precision.py).
+    loss is detected. Either way the default rtol comes from the compute dtype (verification/precision.py).
     """
     _check_arguments(workload, batch, steps, rtol)
     device = workload.device

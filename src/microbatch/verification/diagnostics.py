@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +27,7 @@ import torch
 from torch import nn
 
 from ..accumulate.batchnorm import batchnorm_layers
-from ..trees.batches import batch_size_of
+from ..trees.batches import batch_size_of, tensors_with_paths
 from ..trees.modules import modules_of_type
 from ..workload import LossFn
 from .passes import Compared, Difference, Pass, PerMicro, compare, run_accumulated, run_full_batch, run_loss
@@ -80,21 +79,10 @@ def control_randomness(model: nn.Module, loss_fn: LossFn, batch: Any, seed: int)
 # ---------------------------------------------------------------------- diagnostics
 
 
-def _walk_tensors(batch: Any, path: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(batch, torch.Tensor):
-        yield path, batch
-    elif isinstance(batch, Mapping):
-        for key, value in batch.items():
-            yield from _walk_tensors(value, f"{path}[{key!r}]")
-    elif isinstance(batch, (list, tuple)):
-        for index, value in enumerate(batch):
-            yield from _walk_tensors(value, f"{path}[{index}]")
-
-
 def _count_candidates(micro: list[Any]) -> dict[str, list[int]]:
     """Per-micro-batch counts a loss could average over: samples, labels != -100, mask entries."""
     candidates = {"samples": [batch_size_of(piece) for piece in micro]}
-    walks = [dict(_walk_tensors(piece)) for piece in micro]
+    walks = [dict(tensors_with_paths(piece)) for piece in micro]
     for path, tensor in walks[0].items():
         pieces = [walk.get(path) for walk in walks]
         if any(p is None for p in pieces):

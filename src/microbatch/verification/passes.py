@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch import nn
 
 from ..accumulate.accumulator import Accumulator
 from ..errors import WorkloadError
+from ..trees.batches import map_tensors
 from ..workload import LossFn
 from .report import ParameterDifference
 
@@ -29,15 +29,8 @@ Grads = dict[str, torch.Tensor]
 
 
 def cast_floating(batch: Any, dtype: torch.dtype) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(dtype) if batch.is_floating_point() else batch
-    if isinstance(batch, Mapping):
-        return type(batch)({k: cast_floating(v, dtype) for k, v in batch.items()})  # type: ignore[call-arg]
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(cast_floating(v, dtype) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(cast_floating(v, dtype) for v in batch)
-    return batch
+    """The batch with its floating-point tensors in ``dtype`` (integer tensors as they are)."""
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
 
 
 def run_loss(loss_fn: LossFn, model: nn.Module, batch: Any) -> tuple[torch.Tensor, int]:

@@ -1,6 +1,6 @@
 """What verify says about precision: the compute dtype's tolerance, and fp32 accumulation.
 
-Kept apart from verify.py (one idea per module); verify turns these into Diagnostics.
+Kept apart from check.py (one idea per module); verify turns these into Diagnostics.
 """
 
 from __future__ import annotations

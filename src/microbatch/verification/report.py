@@ -1,7 +1,7 @@
 """What ``verify`` reports: per-parameter differences, diagnostics, and the report itself.
 
-The numbers are computed in verify_passes.py (the comparison) and verify_diagnostics.py (the
-explanations); verify.py puts them together.
+The numbers are computed in passes.py (the comparison) and diagnostics.py (the
+explanations); check.py puts them together.
 """
 
 from __future__ import annotations
