@@ -15,9 +15,9 @@ stays below it, and the step's own peak comes after any of them. Then:
   failed plan never reached its peak, so the bisection is the most that is known.
 
 Predictions carry a safety margin (search.SAFETY_MARGIN) for plans nobody has run. So the first
-trial goes to the fastest plan that fits the budget without it, when that is faster than the
-safe choice: if its measured peak fits, the measurement is the proof (its predicted peak, margin
-included, may then exceed the budget by less than the margin); if not, the safe plan is next.
+trial goes to the fastest plan predicted near the budget without it (up to choices.TRIAL_REACH
+over), when that is faster than the safe choice: if its measured peak fits, the measurement is the
+proof (its predicted peak may then exceed the budget); if not, the safe plan is next.
 
 Each round rules out at least the plan that failed, so the loop ends; after ``max_trials`` rounds
 without a fit the planner raises InfeasibleBudgetError. Nothing it runs changes the model: its
@@ -258,8 +258,8 @@ def _search_and_prove(setup: Setup, request: PlanRequest) -> tuple[Candidate, Se
         )
         chosen, margin_free = result.best, False
         if margin_free_pending:
-            # The safety margin guards plans nobody ran. A faster plan that fits without it gets one
-            # trial first: if the measured peak fits, the measurement is the proof.
+            # The safety margin guards plans nobody ran. A faster plan predicted near the budget
+            # (choices.py) gets one trial first: if the measured peak fits, the measurement is the proof.
             margin_free_pending = False
             faster = faster_without_margin(
                 setup.profile,
@@ -336,8 +336,8 @@ def _prove(
     else:
         if margin_free:
             notes.append(
-                f"trial {trials.count}: {what} fits without the model's safety margin: measured "
-                f"{format_bytes(measured.peak_bytes)} <= budget"
+                f"trial {trials.count}: {what}, predicted {format_bytes(chosen.peak_bytes)} with the safety "
+                f"margin, measured {format_bytes(measured.peak_bytes)} <= budget: the measurement proves it"
             )
         return True
     logger.info(notes[-1])
