@@ -33,7 +33,8 @@ def faster_without_margin(
     bold = search(
         profile,
         per_rank_batch=per_rank_batch,
-        capacity_bytes=capacity * (1 + TRIAL_REACH),
+        # The reach buys speed, not feasibility: with no safe plan only the margin is waived.
+        capacity_bytes=capacity * (1 + TRIAL_REACH) if safe is not None else capacity,
         correction_bytes=correction_bytes,
         safety_margin=0.0,
         bytes_per_sample=bytes_per_sample,
