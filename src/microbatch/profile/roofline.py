@@ -66,7 +66,7 @@ def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any)
     packet = getattr(func, "_overloadpacket", None)
     own = _FORMULAS.get(packet)
     if own is not None:
-        return own(*args, **kwargs)
+        return int(own(*args, **kwargs))
     formula = flop_registry.get(packet)
     if formula is None:
         return 0
