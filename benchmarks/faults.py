@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import faults_window  # benchmarks/faults_window.py: a window's life (issue 22)
 import results  # benchmarks/results.py
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -374,7 +375,7 @@ LIBRARY_CASES: dict[str, tuple[str, str]] = {
 
 def library_cases() -> list[Case]:
     cases = []
-    for name, (expected, code) in LIBRARY_CASES.items():
+    for name, (expected, code) in {**LIBRARY_CASES, **faults_window.WINDOW_CASES}.items():
         ran = python(LIBRARY_PRELUDE + textwrap.dedent(code), timeout=120)
         outcome, detail = snippet_outcome(ran)
         cases.append(Case(name, expected, outcome, detail, ran.seconds, "library"))

@@ -323,7 +323,7 @@ def test_bad_items_leave_state_intact() -> None:
         with pytest.raises(ConfigError, match="items"):
             acc.backward(model(x).mean(), items=bad)
     assert torch.equal(model.weight.grad, grad_before)
-    assert acc._items == 4 and acc._micro_batches == 1
+    assert acc._state.items == 4 and acc._state.micro_batches == 1
 
 
 def test_bad_loss() -> None:

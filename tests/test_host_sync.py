@@ -103,7 +103,7 @@ def test_bad_tensor_counts_are_refused_when_the_window_ends() -> None:
     acc.backward(model(x).mean(), items=torch.tensor(-1))
     with pytest.raises(ConfigError, match="negative, not finite or not a whole"):
         acc.step()
-    assert model.weight.grad is None and acc._micro_batches == 0  # the window was discarded
+    assert model.weight.grad is None and acc._state.micro_batches == 0  # the window was discarded
 
 
 def _reads_per_micro_batch(

@@ -54,6 +54,20 @@ def _check_loop(names: dict[str, Any]) -> None:
     assert math.isfinite(names["stats"].loss)
 
 
+def _plan_split() -> dict[str, Any]:
+    names = _loop()
+    names["plan"] = mb.Plan.manual(batch_size=5, micro_batch_size=2)  # an uneven split: 2 + 2 + 1
+    generator = torch.Generator().manual_seed(3)
+    names["loader"] = [_token_batch(5, 16, generator) for _ in range(2)]  # one rank's batch each
+    return names
+
+
+def _check_plan_split(names: dict[str, Any]) -> None:
+    assert names["plan"].micro_batch_sizes == (2, 2, 1)
+    assert names["acc"].window == 2 and names["stats"].micro_batches == 3  # one window per batch
+    assert names["stats"].items == 5 * 15  # the batch's predicted tokens (the last label is -100)
+
+
 def _token_windows() -> dict[str, Any]:
     names = _gpt_and_optimizer()
     generator = torch.Generator().manual_seed(2)
@@ -131,6 +145,7 @@ def _check_planning(names: dict[str, Any]) -> None:
 # A marker in the block's text -> (its namespace, the checks on what it leaves behind).
 NAMESPACES: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]] = {
     "for micro in acc.iterate(loader)": (_loop, _check_loop),
+    "plan.split(batch)": (_plan_split, _check_plan_split),
     "mb.TokenWindows(": (_token_windows, _check_token_windows),
     "mb.cached_backward(": (_cached, _check_cached),
     "mb.plan(workload": (_planning, _check_planning),

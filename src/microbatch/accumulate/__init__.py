@@ -1,15 +1,16 @@
 """Train: one optimizer step's exact gradient from many micro-batches.
 
 Owns the ``Accumulator`` (``accumulator``) and what it is built from: the checks on steps, items and
-losses (``micro``), iterating a loader by windows (``iteration``), the window's state and its step
-arithmetic (``window``), feeding micro-batches to the device (``feed``), wide float32 sums and
-compute dtypes (``precision``), BatchNorm momentum (``batchnorm``), batch-size schedules
-(``schedules``), windows cut by tokens (``tokens``) and gradient caching for losses that couple a
-batch (``cached``).
+losses (``micro``), iterating a loader by windows (``iteration``), the window's state with its one
+discard path (``state``), the step arithmetic (``window``), feeding micro-batches to the device
+(``feed``), wide float32 sums and compute dtypes (``precision``), BatchNorm momentum
+(``batchnorm``), batch-size schedules (``schedules``), windows cut by tokens (``tokens``) and
+gradient caching for losses that couple a batch (``cached``).
 
 May import: ``errors``, ``trees``, ``memory``, ``distributed``. Never the profile, planner or
 training. Invariant: a window's gradient is sum_i(items_i * grad loss_i) / sum_i(items_i) over every
-micro-batch and every rank, for any split, a short last micro-batch and a partial last window.
+micro-batch and every rank, for any split, a short last micro-batch and a partial last window;
+the optimizer steps once per window (a step that began is never redone).
 """
 
 from __future__ import annotations

@@ -22,18 +22,29 @@ others finish, so every collective is matched and the gradient stays exact.
 
 Order inside step(), which is what the full-batch step would do:
 GradScaler unscale (once) -> normalise -> clip (once, on the accumulated gradient) ->
-optimizer step (skipped on a non-finite gradient) -> scheduler step (only when the optimizer
-stepped) -> zero_grad(set_to_none=True). Normalising and clipping act on the optimizer's parameters
-(the ones GradScaler unscales), as one multiply made just before the optimizer step; if the step
-raises, it is undone (and the scaler's unscale forgotten), so the window can be retried exactly or
-dropped with discard_window().
+optimizer step (skipped on a non-finite gradient) -> scaler update -> scheduler step (only when the
+optimizer stepped) -> zero_grad(set_to_none=True). Normalising and clipping act on the optimizer's
+parameters (the ones GradScaler unscales), as one multiply made just before the optimizer step.
+
+What holds when step() raises (state.py keeps how far it got):
+- reading the counts or their collective: nothing changed; a retry is exact (a failed item check
+  discards the window itself, with a ConfigError).
+- unscaling, normalising or clipping (an OOM computing the norm): the gradients are partly
+  scaled, nothing was stepped; step() refuses a retry, discard_window() drops the window.
+- inside the optimizer's step: the gradients are put back (and the scaler's unscale forgotten). If
+  the optimizer had changed nothing yet (its parameters' and state's version counters did not
+  move: window.optimizer_step), a retry is exact. If it had, the step is half made and cannot be
+  undone here: step() refuses a retry (it would apply part of the step twice); restore model and
+  optimizer from a checkpoint, then discard_window(). ``step_began`` is True from then on, so a
+  training loop knows not to run the window again.
+- after the optimizer step (the scaler update, the scheduler): the optimizer stepped once and will
+  not step again; a retry of step() runs only what did not happen and returns the window's stats.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -42,25 +53,26 @@ from torch import nn
 from .. import distributed
 from ..errors import ConfigError, UsageError
 from ..trees.batches import batch_size_of
-from .batchnorm import batchnorm_layers, corrected_momentum
-from .iteration import iterate_windows
+from .batchnorm import BatchNormWindows
+from .iteration import Windows, iterate_windows, refuse_nested
 from .micro import (
     Micro,
+    StepsSchedule,
     WindowStats,
     check_loss,
+    check_not_already_scaled,
+    check_options,
     learning_rate,
-    tensor_item_flags,
     validate_items,
     validate_steps_value,
+    validated_state,
 )
-from .precision import WideGradients
-from .window import optimizer_step, read_window, scale_gradients
+from .state import WindowState, new_state, window_parameters
+from .window import agree_on_totals, optimizer_step, read_window, scale_gradients
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Accumulator", "Micro", "StepsSchedule", "WindowStats"]
-
-StepsSchedule = int | Sequence[int] | Callable[[int], int]
 
 
 class Accumulator:
@@ -70,24 +82,18 @@ class Accumulator:
     window; the last entry repeats), or a callable ``window_index -> steps`` (accumulation warmup).
     ``scheduler`` steps once per optimizer step that was taken; ``max_grad_norm`` clips once, on the
     accumulated and unscaled gradient; ``scaler`` (torch.amp.GradScaler) scales each backward and
-    unscales once per window. For data parallelism pass the wrapped model (the
-    DistributedDataParallel module itself, or the fully_shard root): gradient sync then runs only on
-    a window's last micro-batch, or on every one with ``sync_every_micro_batch`` (less memory, more
-    communication). ``correct_batchnorm_momentum`` sets each
-    BatchNorm's momentum so a window of N micro-batches decays its running statistics like one update.
+    unscales once per window (pass the unscaled loss to backward()). For data parallelism pass the
+    wrapped model (the DistributedDataParallel module itself, or the fully_shard root): gradient sync
+    then runs only on a window's last micro-batch, or on every one with ``sync_every_micro_batch``
+    (less memory, more communication). ``correct_batchnorm_momentum`` sets each BatchNorm's momentum
+    so a window of N micro-batches decays its running statistics like one update.
     ``accumulate_dtype`` (e.g. torch.float32) sums low-precision parameters' gradients in that dtype
-    across the window and rounds once at ``step()`` (see precision.py; single process only).
+    across the window and rounds once at ``step()`` (see precision.py; single process only); its
+    gradient hooks stay until ``close()``, and a second Accumulator on the same model is refused
+    until then. ``samples_per_window`` (plan.apply passes the plan's per-rank batch): iterate()
+    warns once when a full window holds another number of samples. What holds when step() raises:
+    see the module docstring.
     """
-
-    # Window state, reset by _reset_window() after every step(). Counts given as device tensors stay
-    # tensors until step() reads them, once per window.
-    _items: float | torch.Tensor
-    _loss_sum: torch.Tensor | float
-    _micro_batches: int
-    _reference_items: float | torch.Tensor
-    _item_flags: torch.Tensor | None  # see micro.tensor_item_flags
-    _awaiting_step: bool
-    _current: Micro | None
 
     def __init__(
         self,
@@ -101,14 +107,16 @@ class Accumulator:
         sync_every_micro_batch: bool = False,
         correct_batchnorm_momentum: bool = False,
         accumulate_dtype: torch.dtype | None = None,
+        samples_per_window: int | None = None,
     ) -> None:
-        _check_options(model, optimizer, steps, max_grad_norm)
+        check_options(model, optimizer, steps, max_grad_norm, samples_per_window)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.max_grad_norm = max_grad_norm
         self.scaler = scaler
         self.sync_every_micro_batch = sync_every_micro_batch
+        self.samples_per_window = samples_per_window
         self._steps = steps
         self._data_parallel = distributed.data_parallel_kind(model)
         if self._data_parallel is None and distributed.world_size() > 1:
@@ -120,29 +128,55 @@ class Accumulator:
                 "local to each rank. Pass the wrapped model (the DDP module itself).",
                 distributed.world_size(),
             )
-
-        # Every parameter whose gradient this accumulator clears at step(); it normalises and clips
-        # exactly the optimizer's parameters: those are the ones GradScaler unscales.
-        self._params = _parameters(model, optimizer)
         if accumulate_dtype is not None and self._data_parallel is not None:
             raise ConfigError(
                 "accumulate_dtype with DDP / FSDP is not supported: their gradient hooks read .grad, which "
                 "a wide accumulation empties between micro-batches; leave accumulate_dtype=None"
             )
-        # Low-precision parameters' gradients summed in accumulate_dtype (precision.py).
-        self._wide = WideGradients(self._params, accumulate_dtype) if accumulate_dtype is not None else None
+        # The window's state, with every parameter whose gradient this accumulator clears at step()
+        # (it normalises and clips exactly the optimizer's: those are the ones GradScaler unscales),
+        # and the wide sums of low-precision gradients (precision.py).
+        self._state: WindowState = new_state(
+            window_parameters(model, optimizer), accumulate_dtype, type(model).__name__
+        )
 
-        self._batchnorm = batchnorm_layers(model)
-        self._batchnorm_momentum = {name: layer.momentum for name, layer in self._batchnorm}
-        self._correct_batchnorm = correct_batchnorm_momentum
-        self._warned_batchnorm = False
-        self._set_batchnorm_momentum(0)  # for a manual backward()/step() loop too, not only iterate()
-
-        self.window = 0  # index of the window in progress (= optimizer steps taken or skipped)
+        # For a manual backward()/step() loop too, not only iterate(): set for window 0 now.
+        # (No bound method of self is kept: a dropped Accumulator is freed at once, hooks included.)
+        self._batchnorm = BatchNormWindows(model, correct_batchnorm_momentum)
+        self._correct_batchnorm_momentum()
         self._items_per_micro: float | None = None  # running estimate, for the reference count R
-        self._has_more_local = False  # set by iterate(): this rank has another micro-batch
-        self._ranks_with_more = 0.0  # set by step(): how many ranks have another micro-batch
-        self._reset_window()
+
+    @property
+    def window(self) -> int:
+        """Index of the window in progress (= optimizer steps taken or skipped)."""
+        return self._state.window
+
+    @window.setter
+    def window(self, value: int) -> None:
+        self._state.require_boundary("setting acc.window")
+        self._state.window = value
+
+    @property
+    def _warned_batchnorm(self) -> bool:  # set by the planner's trial windows, which say it once
+        return self._batchnorm.warned
+
+    @_warned_batchnorm.setter
+    def _warned_batchnorm(self, value: bool) -> None:
+        self._batchnorm.warned = value
+
+    def _correct_batchnorm_momentum(self) -> None:
+        if self._batchnorm.corrects:  # steps_for only then: a user's schedule is asked no more than needed
+            self._batchnorm.set_momentum(self.steps_for(self.window))
+
+    @property
+    def step_began(self) -> bool:
+        """True when the window's optimizer step began and the window is not finished.
+
+        The optimizer's step raised (whatever it had changed), or it returned and a later part of
+        step() raised. Such a window must never be run again from its start: its update is (at
+        least partly) made. A training loop re-runs a failed window only while this is False.
+        """
+        return self._state.step_began
 
     # ----------------------------------------------------------------- schedule
     def steps_for(self, window: int) -> int:
@@ -168,67 +202,54 @@ class Accumulator:
         context: no DDP all-reduce except on a window's last micro-batch (FSDP2's flag is set in
         backward()). Data-parallel ranks agree on each window's length; see the module docstring.
         If the loader raises, the window in progress stays open: ``discard_window()`` drops it.
+        One iterate() at a time: a nested one is refused.
         """
-        self._require_window_boundary("iterate()")
-        yield from iterate_windows(self, loader)
-
-    def _prepare_batchnorm(self, steps: int) -> None:
-        if not self._batchnorm:
-            return
-        training = [name for name, layer in self._batchnorm if layer.training]
-        if steps > 1 and training and not self._warned_batchnorm:
-            self._warned_batchnorm = True
-            logger.warning(
-                "%d BatchNorm layer(s) (%s) train with %d micro-batches per step: each micro-batch is "
-                "normalised with its own statistics, so gradients differ from the full batch's. Use "
-                "larger micro-batches, convert with microbatch.convert_batchnorm_to_groupnorm(model), "
-                "or freeze them (eval mode); correct_batchnorm_momentum=True makes the running "
-                "statistics decay once per window.",
-                len(training),
-                ", ".join(training[:3]) + ("..." if len(training) > 3 else ""),
-                steps,
-            )
-        self._set_batchnorm_momentum(self.window, steps)
-
-    def _set_batchnorm_momentum(self, window: int, steps: int | None = None) -> None:
-        """correct_batchnorm_momentum: set the momentum for ``window``'s planned steps.
-
-        Set at construction and after every step() (for the next window), so a loop that calls
-        backward()/step() by hand gets it as iterate() does; a window ended early with
-        step(partial=True) decays by its planned count, not its actual one.
-        """
-        if not (self._correct_batchnorm and self._batchnorm):
-            return
-        steps = self.steps_for(window) if steps is None else steps
-        for name, layer in self._batchnorm:
-            momentum = self._batchnorm_momentum[name]
-            if momentum is not None:
-                layer.momentum = corrected_momentum(momentum, steps)
+        self._state.require_open("iterate()")
+        refuse_nested(self._state)
+        self._state.require_boundary("iterate()")
+        windows = Windows(
+            model=self.model,
+            data_parallel=self._data_parallel,
+            sync_every_micro_batch=self.sync_every_micro_batch,
+            steps_for=self.steps_for,
+            start_window=self._batchnorm.prepare,
+            samples_per_window=self.samples_per_window,
+        )
+        yield from iterate_windows(self._state, windows, loader)
 
     # ----------------------------------------------------------------- backward
     def backward(self, loss: torch.Tensor, *, items: int | float | torch.Tensor | None = None) -> None:
         """Add ``items / R * grad(loss)`` to the gradients; ``loss`` is a mean over ``items`` items.
 
         Without ``items`` the micro-batch weighs by its batch size (its first tensor's first
-        dimension), so short micro-batches and a short last window stay exact.
+        dimension), so short micro-batches and a short last window stay exact. Pass the loss
+        unscaled: with ``scaler=`` backward() scales it (a loss already scaled is refused).
         """
-        if self._awaiting_step:
+        state = self._state
+        state.require_open("backward()")
+        if state.step_began:
+            raise UsageError(
+                f"backward() while window {state.window}'s step() is unfinished: call step() again "
+                "(or discard_window() after restoring from a checkpoint, if step() says so)"
+            )
+        if state.awaiting_step:
             raise UsageError(
                 "backward() after the window's last micro-batch: call step() first "
-                f"(window {self.window} already has {self._micro_batches} micro-batches)"
+                f"(window {state.window} already has {state.micro_batches} micro-batches)"
             )
         check_loss(loss)
-        padding = self._current is not None and self._current.is_padding
+        check_not_already_scaled(loss, self.scaler)
+        current = state.current
         if items is None:
-            if self._current is None:
+            if current is None:
                 raise ConfigError(
                     "backward() without items= needs the micro-batch from acc.iterate(loader); "
                     "pass items= (samples or tokens the loss averages over)"
                 )
-            items_value: float | torch.Tensor = float(batch_size_of(self._current.batch))
+            items_value: float | torch.Tensor = float(batch_size_of(current.batch))
         else:
             items_value = validate_items(items)
-
+        padding = current is not None and current.is_padding
         if padding:
             items_value = 0.0  # a repeated micro-batch that only keeps this rank in step
 
@@ -239,7 +260,7 @@ class Accumulator:
             weighted = self.scaler.scale(weighted)
         # FSDP2 reduce-scatters in this backward only on a window's last micro-batch (or always when
         # asked, or outside iterate(), where the window's end is not known in advance).
-        sync = self._current is None or self._current.is_last or self.sync_every_micro_batch
+        sync = current is None or current.is_last or self.sync_every_micro_batch
         if self._data_parallel == "fsdp":
             with distributed.fsdp_sync(self.model, enabled=sync):
                 weighted.backward()
@@ -247,16 +268,12 @@ class Accumulator:
             weighted.backward()
 
         if not padding:
-            self._items = self._items + items_value
-            # Summed on the loss's device, no host sync per micro-batch; float64 where the device has it.
-            self._loss_sum = self._loss_sum + loss.detach().reshape(()).to(sum_dtype) * items_value
-            if isinstance(items_value, torch.Tensor):
-                self._item_flags = tensor_item_flags(items_value, loss, self._item_flags)
-        self._micro_batches += 1
-        if self._current is not None:
-            self._awaiting_step = self._current.is_last
+            state.add(loss, items_value, sum_dtype)
+        state.micro_batches += 1
+        if current is not None:
+            state.awaiting_step = current.is_last
         else:
-            self._awaiting_step = self._micro_batches >= self.steps_for(self.window)
+            state.awaiting_step = state.micro_batches >= self.steps_for(state.window)
 
     def _weight(
         self, items: float | torch.Tensor, loss: torch.Tensor, sum_dtype: torch.dtype
@@ -264,17 +281,12 @@ class Accumulator:
         """(items, items / R): a device count stays on the device, weighted there, read once per window."""
         if isinstance(items, torch.Tensor):
             items = items.to(device=loss.device, dtype=sum_dtype, non_blocking=True)
-        if self._micro_batches == 0:
-            self._reference_items = self._reference_count(items)
-        weight = items / self._reference_items
+        if self._state.micro_batches == 0:
+            self._state.reference_items = self._reference_count(items)
+        weight = items / self._state.reference_items
         if isinstance(weight, torch.Tensor):
             weight = weight.to(loss.dtype)
         return items, weight
-
-    def _discard_window(self) -> None:
-        for p in self._params:
-            p.grad = None
-        self._reset_window()
 
     def _reference_count(self, first_items: float | torch.Tensor) -> float | torch.Tensor:
         """R: an estimate of this rank's window total, identical on all ranks (see module docstring)."""
@@ -297,91 +309,116 @@ class Accumulator:
         """Finish the window: unscale, normalise, clip, step, schedule, zero. See the module docstring.
 
         Call it on a window's last micro-batch (``micro.is_last``). ``partial=True`` ends a window
-        early when not using iterate() (the data ran out); it stays exact.
+        early in a loop without iterate() (the data ran out); it stays exact. After step() raised,
+        calling it again redoes only what did not happen (see the module docstring).
         """
-        if self._micro_batches == 0:
-            raise UsageError("step() with no backward() in this window: there is no gradient to apply")
-        if not self._awaiting_step and not partial:
+        state = self._state
+        state.require_open("step()")
+        if state.progress.stats is None:
+            self._check_step_call(partial)
+            state.progress.stats = self._apply_window()
+        return self._finish_window()
+
+    def _check_step_call(self, partial: bool) -> None:
+        state = self._state
+        if state.progress.mutated:
             raise UsageError(
-                f"step() before the window's last micro-batch ({self._micro_batches} of "
-                f"{self.steps_for(self.window)} done); call it when micro.is_last, or pass partial=True "
+                f"step() again after window {state.window}'s optimizer step raised having already changed "
+                "parameters or optimizer state: a retry would apply part of the step twice. Restore model "
+                "and optimizer from a checkpoint, then call acc.discard_window()"
+            )
+        if state.progress.scaling_failed:
+            raise UsageError(
+                f"step() again after window {state.window}'s step() raised while unscaling or normalising "
+                "its gradients: they are partly scaled, so a retry would not be exact. Nothing was stepped: "
+                "drop the window with acc.discard_window()"
+            )
+        if state.micro_batches == 0:
+            raise UsageError("step() with no backward() in this window: there is no gradient to apply")
+        if state.awaiting_step:
+            return
+        if state.iterating:
+            raise UsageError(
+                f"step() in the middle of iterate()'s window {state.window} ({state.micro_batches} of "
+                f"{self.steps_for(state.window)} micro-batches done): iterate() ends windows itself; call "
+                "step() when micro.is_last (partial=True is for loops without iterate())"
+            )
+        if not partial:
+            raise UsageError(
+                f"step() before the window's last micro-batch ({state.micro_batches} of "
+                f"{self.steps_for(state.window)} done); call it when micro.is_last, or pass partial=True "
                 "to end the window early"
             )
-        items, loss_sum_local, reference = read_window(self)
-        total_items, loss_sum, total_micro_batches, averaged_over = self._agree_on_totals(
-            items, loss_sum_local
-        )
-        # Transactional: everything that can fail is read first; the gradients change only right
-        # before the optimizer step, and are changed back if it raises (a retry is then exact).
-        lr = learning_rate(self.optimizer)
-        scaled = scale_gradients(self, reference * averaged_over / total_items)
-        optimizer_step(self, scaled)
-        if self.scaler is not None:
-            self.scaler.update()
-        if not scaled.skipped and self.scheduler is not None:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        for p in self._params:
-            p.grad = None
 
-        stats = WindowStats(
+    def _apply_window(self) -> WindowStats:
+        """Everything up to and including the optimizer step; the stats of the window."""
+        state = self._state
+        items, loss_sum_local, reference = read_window(state)
+        total_items, loss_sum, total_micro_batches, averaged_over = agree_on_totals(
+            state, items, loss_sum_local, data_parallel=self._data_parallel is not None
+        )
+        # What can fail is read first; the gradients change only from here (see the module docstring).
+        lr = learning_rate(self.optimizer)
+        scaled = scale_gradients(
+            state, self.optimizer, self.scaler, self.max_grad_norm, reference * averaged_over / total_items
+        )
+        optimizer_step(state, self.optimizer, self.scaler, scaled)
+        # Summed over ranks, so every rank derives the same reference count R for later windows.
+        self._items_per_micro = total_items / total_micro_batches
+        return WindowStats(
             loss=loss_sum / total_items,
             items=round(total_items),
             grad_norm=scaled.grad_norm,
             lr=lr,
             skipped=scaled.skipped,
-            window=self.window,
-            micro_batches=self._micro_batches,
+            window=state.window,
+            micro_batches=state.micro_batches,
         )
-        # Summed over ranks, so every rank derives the same reference count R for later windows.
-        self._items_per_micro = total_items / total_micro_batches
-        self.window += 1
-        self._reset_window()
-        self._set_batchnorm_momentum(self.window)
+
+    def _finish_window(self) -> WindowStats:
+        """After the optimizer step: scaler update, scheduler step, zero; each done once per window."""
+        progress = self._state.progress
+        stats = progress.stats
+        if stats is None:  # set by _apply_window before this runs; narrows the type
+            raise UsageError("step(): the window has no optimizer step to finish")
+        if not progress.scaler_updated:
+            if self.scaler is not None:
+                self.scaler.update()
+            progress.scaler_updated = True
+        if not progress.scheduled:
+            if not stats.skipped and self.scheduler is not None:
+                self.scheduler.step()
+            progress.scheduled = True
+        self.optimizer.zero_grad(set_to_none=True)
+        self._state.finish()
+        self._correct_batchnorm_momentum()
         return stats
 
-    def _agree_on_totals(self, items: float, loss_sum: float) -> tuple[float, float, float, int]:
-        """(T, loss sum, micro-batches) over all ranks, and W_avg; sets how many ranks have more data."""
-        local = [items, loss_sum, float(self._micro_batches), float(self._has_more_local)]
-        averaged_over = 1
-        if self._data_parallel is not None:
-            # One all_reduce per window: global items T, loss sum, micro-batches, ranks with more data.
-            local = distributed.all_reduce_values(local)
-            averaged_over = distributed.world_size()  # DDP and FSDP2 divide the summed gradient by W
-        total_items, total_loss, total_micro_batches, self._ranks_with_more = local
-        if total_items <= 0:
-            raise UsageError("step() on a window without items on any rank: there is no gradient to apply")
-        return total_items, total_loss, total_micro_batches, averaged_over
-
     def discard_window(self) -> None:
-        """Drop the window in progress: its gradients and counts; the window index stays.
+        """Drop the window in progress: its gradients, wide sums and counts; the window index stays.
 
-        The way out after a loader, a forward or an optimizer raised mid-window (state_dict() and
-        iterate() refuse a window in progress): the next window then starts from zero gradients
-        and is exact. Parameters, optimizer, scheduler and scaler are untouched.
+        The way out after a loader, a forward or a backward raised mid-window (state_dict() and
+        iterate() refuse a window in progress), or after step() said the optimizer's step was half
+        made (restore model and optimizer first). The next window then starts from zero gradients
+        and is exact. Parameters, optimizer, scheduler and scaler are untouched. Refused once the
+        optimizer's step is done: step() again finishes that window.
         """
-        for p in self._params:
-            p.grad = None
-        if self._wide is not None:
-            self._wide.sums.clear()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._reset_window()
-
-    def _reset_window(self) -> None:
-        self._items = 0.0
-        self._item_flags = None
-        self._loss_sum = 0.0
-        self._micro_batches = 0
-        self._reference_items = 1.0
-        self._awaiting_step = False
-        self._current = None
-
-    def _require_window_boundary(self, what: str) -> None:
-        if self._micro_batches:
+        state = self._state
+        if state.progress.stats is not None:
             raise UsageError(
-                f"{what} in the middle of window {self.window} ({self._micro_batches} micro-batches done); "
-                "finish the window with step() first"
+                f"discard_window(): window {state.window}'s optimizer step is done (a later part of step() "
+                "raised); call step() again: it runs only what did not happen"
             )
+        state.discard()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        """Drop the window in progress and remove the gradient hooks (accumulate_dtype); final.
+
+        Another Accumulator on the same model may be built afterwards. plan.remove(model) closes
+        the Accumulator its plan.apply built.
+        """
+        self._state.close()
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -391,58 +428,13 @@ class Accumulator:
         micro-batch when the loader has a len(). Without one (a generator, an IterableDataset), it
         has in data-parallel runs, so that loader is one micro-batch ahead; see iterate().
         """
-        self._require_window_boundary("state_dict()")
+        self._state.require_boundary("state_dict()")
         return {"version": 1, "window": self.window, "items_per_micro": self._items_per_micro}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._require_window_boundary("load_state_dict()")
-        if not isinstance(state, dict) or state.get("version") != 1 or "window" not in state:
-            raise ConfigError("not an Accumulator state_dict (expected keys 'version' = 1 and 'window')")
-        self.window = int(state["window"])
-        self._items_per_micro = state.get("items_per_micro")
-        self._set_batchnorm_momentum(self.window)
-
-
-def _check_options(
-    model: nn.Module, optimizer: torch.optim.Optimizer, steps: StepsSchedule, max_grad_norm: float | None
-) -> None:
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(steps, (int, bool)):
-        validate_steps_value(steps, "steps")
-    elif isinstance(steps, Sequence):
-        if len(steps) == 0:
-            raise ConfigError("steps as a sequence must have at least one entry")
-        for i, value in enumerate(steps):
-            validate_steps_value(value, f"steps[{i}]")
-    elif not callable(steps):
-        raise ConfigError(
-            f"steps must be an int, a sequence of ints or a callable, got {type(steps).__name__}"
-        )
-    if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
-        raise ConfigError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm}")
-
-
-def _parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
-    """The model's parameters and then the optimizer's others, warning about mismatches."""
-    model_params = list(model.parameters())
-    known = {id(p) for p in model_params}
-    foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in known]
-    if foreign:
-        logger.warning(
-            "the optimizer holds %d parameter(s) that are not in the model; they are stepped but "
-            "their gradients are not produced by this model (check that model and optimizer match)",
-            len(foreign),
-        )
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    unstepped = [p for p in model_params if p.requires_grad and id(p) not in stepped]
-    if unstepped:
-        logger.warning(
-            "%d model parameter(s) require grad but are not in the optimizer: their gradients are "
-            "computed and discarded at each step(), and left out of normalising and clipping "
-            "(freeze them with requires_grad_(False), or add them to the optimizer)",
-            len(unstepped),
-        )
-    return model_params + foreign
+        """Restore ``state_dict()``; its fields are checked (ConfigError naming the field) first."""
+        self._state.require_boundary("load_state_dict()")
+        window, items_per_micro = validated_state(state)
+        self._state.window = window
+        self._items_per_micro = items_per_micro
+        self._correct_batchnorm_momentum()

@@ -9,12 +9,15 @@ update decays the old running statistic by (1 - m); N updates with momentum m' d
 
 from __future__ import annotations
 
+import logging
 from typing import cast
 
 from torch import nn
 
 from ..errors import ConfigError
 from ..trees.modules import modules_of_type, replace_modules
+
+logger = logging.getLogger(__name__)
 
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 _BATCHNORM = (_BatchNorm, nn.SyncBatchNorm)
@@ -57,3 +60,46 @@ def convert_batchnorm_to_groupnorm(model: nn.Module, *, max_groups: int = 32) ->
 
     replace_modules(model, lambda module: isinstance(module, _BATCHNORM), to_groupnorm)
     return model
+
+
+class BatchNormWindows:
+    """The Accumulator's BatchNorm handling: one warning, and momentum corrected per window.
+
+    ``set_momentum`` runs at construction and after every step() (for the next window), so a loop
+    that calls backward()/step() by hand gets it as iterate() does; a window ended early with
+    step(partial=True) decays by its planned count, not its actual one.
+    """
+
+    def __init__(self, model: nn.Module, correct_momentum: bool) -> None:
+        self.layers = batchnorm_layers(model)
+        self.momentum = {name: layer.momentum for name, layer in self.layers}
+        self.warned = False
+        self.corrects = correct_momentum and bool(self.layers)  # set_momentum has work to do
+
+    def prepare(self, steps: int) -> None:
+        """Before an iterate() window of ``steps`` planned micro-batches: warn once, set momentum."""
+        if not self.layers:
+            return
+        training = [name for name, layer in self.layers if layer.training]
+        if steps > 1 and training and not self.warned:
+            self.warned = True
+            logger.warning(
+                "%d BatchNorm layer(s) (%s) train with %d micro-batches per step: each micro-batch is "
+                "normalised with its own statistics, so gradients differ from the full batch's. Use "
+                "larger micro-batches, convert with microbatch.convert_batchnorm_to_groupnorm(model), "
+                "or freeze them (eval mode); correct_batchnorm_momentum=True makes the running "
+                "statistics decay once per window.",
+                len(training),
+                ", ".join(training[:3]) + ("..." if len(training) > 3 else ""),
+                steps,
+            )
+        self.set_momentum(steps)
+
+    def set_momentum(self, steps: int) -> None:
+        """correct_batchnorm_momentum: set the momentum for a window of ``steps`` planned micro-batches."""
+        if not self.corrects:
+            return
+        for name, layer in self.layers:
+            momentum = self.momentum[name]
+            if momentum is not None:
+                layer.momentum = corrected_momentum(momentum, steps)

@@ -363,6 +363,11 @@ def cached_loss(
             "cached_backward / cached_loss was called under torch.no_grad(): call it with grad enabled"
         )
     total = batch_size_of(batch)
+    if total < 1:
+        raise ConfigError(
+            "cached_backward / cached_loss got an empty batch (0 samples): there is no loss to take; "
+            "skip empty batches in the data"
+        )
     micro_batches = split_batch(batch, micro_batch_sizes(total, micro_batch_size))
     run = _Run(encode=encode, micro_batches=micro_batches, model=model, gather=_should_gather(gather))
     if run.gather:

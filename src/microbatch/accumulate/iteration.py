@@ -11,19 +11,32 @@ step()'s all_reduce. A rank whose data runs out first repeats its last micro-bat
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from torch import nn
 
 from .. import distributed
 from ..errors import ConfigError, UsageError
+from ..trees.batches import batch_size_of
 from .feed import Feed
 from .micro import Micro
-
-if TYPE_CHECKING:
-    from .accumulator import Accumulator
+from .state import WindowState
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Windows:
+    """What iteration needs from the Accumulator besides its window state."""
+
+    model: nn.Module  # the (DDP-wrapped) model whose gradient sync is held back between micro-batches
+    data_parallel: str | None  # distributed.data_parallel_kind(model)
+    sync_every_micro_batch: bool
+    steps_for: Callable[[int], int]  # planned micro-batches of a window
+    start_window: Callable[[int], None]  # called with the planned steps before a window's first micro-batch
+    samples_per_window: int | None = None  # the plan's per-rank batch: warn once when a window differs
 
 
 @dataclass
@@ -38,16 +51,33 @@ class _Stream:
     warned: bool = False
 
 
-def iterate_windows(acc: Accumulator, loader: Iterable[Any]) -> Iterator[Micro]:
+def iterate_windows(state: WindowState, windows: Windows, loader: Iterable[Any]) -> Iterator[Micro]:
     """The body of ``Accumulator.iterate`` (see its docstring), window after window."""
+    refuse_nested(state)
+    state.iterating = True
+    try:
+        yield from _windows(state, windows, loader)
+    finally:
+        state.iterating = False
+
+
+def refuse_nested(state: WindowState) -> None:
+    if state.iterating:
+        raise UsageError(
+            "iterate() while another iterate() of this Accumulator is still running: the two would share "
+            "one window. Finish (or break out of) the first loop before starting another"
+        )
+
+
+def _windows(state: WindowState, windows: Windows, loader: Iterable[Any]) -> Iterator[Micro]:
     world = distributed.world_size()
-    stream = _Stream(Feed(loader), agree=acc._data_parallel is not None and world > 1, world=world)
+    stream = _Stream(Feed(loader), agree=windows.data_parallel is not None and world > 1, world=world)
     _require_data(stream)
     more = True
     while more:
-        window = acc.window
-        ranks_with_more = yield from _window(acc, stream, window)
-        if acc.window == window:
+        window = state.window
+        ranks_with_more = yield from _window(state, windows, stream, window)
+        if state.window == window:
             raise UsageError(
                 f"window {window} ended (micro.is_last was True) but step() was not called; "
                 "call acc.step() when micro.is_last"
@@ -69,11 +99,14 @@ def _require_data(stream: _Stream) -> None:
         raise ConfigError("the loader given to iterate() is empty: it produced no micro-batches")
 
 
-def _window(acc: Accumulator, stream: _Stream, window: int) -> Generator[Micro, None, float]:
+def _window(
+    state: WindowState, windows: Windows, stream: _Stream, window: int
+) -> Generator[Micro, None, float]:
     """One window's micro-batches; returns how many ranks have another micro-batch after it."""
-    steps = acc.steps_for(window)
-    acc._prepare_batchnorm(steps)
+    steps = windows.steps_for(window)
+    windows.start_window(steps)
     ranks_with_more = 0.0
+    samples = 0
     for index in range(steps):
         padding = stream.exhausted
         batch = stream.last_batch if padding else stream.feed.take()
@@ -93,20 +126,23 @@ def _window(acc: Accumulator, stream: _Stream, window: int) -> Generator[Micro, 
         micro = Micro(
             batch=batch, index=index, window=window, steps=steps, is_last=is_last, is_padding=padding
         )
+        samples += _samples(batch) if not padding and windows.samples_per_window is not None else 0
         del batch
-        acc._current = micro
-        acc._has_more_local = has_more
+        state.current = micro
+        state.has_more_local = has_more
         try:
-            with distributed.ddp_sync(acc.model, enabled=is_last or acc.sync_every_micro_batch):
+            with distributed.ddp_sync(windows.model, enabled=is_last or windows.sync_every_micro_batch):
                 yield micro
         finally:
-            acc._current = None
+            state.current = None
         del micro
         if is_last:
-            if stream.agree and at_window_end and acc.window != window:
-                ranks_with_more = acc._ranks_with_more
+            if stream.agree and at_window_end and state.window != window:
+                ranks_with_more = state.ranks_with_more
             elif at_window_end and not stream.agree:
                 ranks_with_more = float(stream.feed.has_more())
+            if at_window_end:  # a full window (by its planned count)
+                _warn_once_if_not_the_plans_batch(state, windows, samples, steps, window, ranks_with_more > 0)
             return ranks_with_more
         _warn_once_if_uneven(stream, ranks_with_more, window)
     return ranks_with_more  # not reached: the window's last index is its end
@@ -125,4 +161,42 @@ def _warn_once_if_uneven(stream: _Stream, ranks_with_more: float, window: int) -
         stream.world - round(ranks_with_more),
         stream.world,
         window,
+    )
+
+
+def _samples(batch: Any) -> int:
+    """The micro-batch's samples (its first tensor's first dimension; 0 when it has no tensor)."""
+    try:
+        return batch_size_of(batch)
+    except (ConfigError, TypeError, ValueError, IndexError):
+        return 0
+
+
+def _warn_once_if_not_the_plans_batch(
+    state: WindowState, windows: Windows, samples: int, steps: int, window: int, data_continues: bool
+) -> None:
+    """A full window fed more or fewer samples than the plan's per-rank batch (plan.apply sets it).
+
+    The README's loop fed from DataLoader(batch_size=plan.micro_batch_size) trains, for a plan of
+    19 x 6 + 14, windows of 7 x 19 = 133 samples instead of 128: exact gradients of another batch.
+    Fewer samples in the data's last window are the data's end (a short last batch), not a misfeed.
+    """
+    expected = windows.samples_per_window
+    if expected is None or samples in (0, expected) or state.warned_plan_batch:
+        return
+    if samples < expected and not data_continues:
+        return
+    state.warned_plan_batch = True
+    distributed.log_rank_zero(
+        logger,
+        logging.WARNING,
+        "window %d held %d samples in %d micro-batches, but the plan's batch is %d per rank: the loader "
+        "does not feed the plan's split, so each step trains on another batch size. Feed the plan's "
+        "micro-batch sizes (plan.micro_batch_sizes, e.g. plan.split(batch) on each rank's batch, or a "
+        "batch_sampler that yields those sizes); DataLoader(batch_size=plan.micro_batch_size) is right "
+        "only when the sizes are all equal",
+        window,
+        samples,
+        steps,
+        expected,
     )

@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..errors import ConfigError
+
+StepsSchedule = int | Sequence[int] | Callable[[int], int]
 
 
 @dataclass(frozen=True)
@@ -137,3 +142,99 @@ def tensor_item_flags(items: torch.Tensor, loss: torch.Tensor, previous: torch.T
     empty = (items == 0) & ~torch.isfinite(loss.detach().reshape(()))
     flags = torch.stack([bad, empty])
     return flags if previous is None else previous | flags
+
+
+def check_not_already_scaled(loss: torch.Tensor, scaler: torch.amp.GradScaler | None) -> None:
+    """Refuse a loss that ``scaler.scale`` already multiplied: backward() scales it once more.
+
+    GradScaler.scale(loss) is ``loss * scale`` with the scaler's own scale tensor, so the loss's
+    autograd node (or one a few ops below it, as in ``scaler.scale(loss) / n``) is a multiply that
+    saved that tensor. Comparing storage pointers reads no value from the device: no host sync.
+    """
+    scale = getattr(scaler, "_scale", None) if scaler is not None else None
+    if not isinstance(scale, torch.Tensor):
+        return  # the scaler has not scaled anything yet
+    pointer = scale.data_ptr()
+    frontier, seen = [loss.grad_fn], 0
+    while frontier and seen < _SCALE_SEARCH_NODES:
+        node = frontier.pop(0)
+        if node is None:
+            continue
+        seen += 1
+        if type(node).__name__ == "MulBackward0" and any(
+            isinstance(t, torch.Tensor) and t.data_ptr() == pointer for t in _saved_operands(node)
+        ):
+            raise ConfigError(
+                "backward(loss): the loss was already multiplied by the Accumulator's GradScaler "
+                "(scaler.scale(loss)); backward() scales it itself, so the gradient would be scaled twice. "
+                "Pass the unscaled loss: acc.backward(loss)"
+            )
+        frontier.extend(next_node for next_node, _ in node.next_functions)
+
+
+_SCALE_SEARCH_NODES = 4  # the loss's node and the few below it: scale(loss), then / n or .mean()
+
+
+def _saved_operands(node: Any) -> list[Any]:
+    found = []
+    for name in ("_saved_other", "_saved_self"):
+        with contextlib.suppress(AttributeError, RuntimeError):  # not saved, or freed by a backward
+            found.append(getattr(node, name))
+    return found
+
+
+def validated_state(state: object) -> tuple[int, float | None]:
+    """(window, items per micro-batch) of an ``Accumulator.state_dict()``; ConfigError naming the field."""
+    if not isinstance(state, dict) or state.get("version") != 1 or "window" not in state:
+        raise ConfigError("not an Accumulator state_dict (expected keys 'version' = 1 and 'window')")
+    window = state["window"]
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ConfigError(
+            "Accumulator state_dict: 'window' must be a whole number >= 0 (optimizer steps taken), "
+            f"got {window!r}"
+        )
+    per_micro = state.get("items_per_micro")
+    if per_micro is not None and (
+        isinstance(per_micro, bool)
+        or not isinstance(per_micro, (int, float))
+        or not math.isfinite(per_micro)
+        or per_micro <= 0
+    ):
+        raise ConfigError(
+            "Accumulator state_dict: 'items_per_micro' must be None or a positive finite number (the mean "
+            f"items of a micro-batch), got {per_micro!r}"
+        )
+    return window, None if per_micro is None else float(per_micro)
+
+
+def check_options(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    steps: StepsSchedule,
+    max_grad_norm: float | None,
+    samples_per_window: int | None,
+) -> None:
+    """The Accumulator's arguments, checked before anything is built."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(steps, (int, bool)):
+        validate_steps_value(steps, "steps")
+    elif isinstance(steps, Sequence):
+        if len(steps) == 0:
+            raise ConfigError("steps as a sequence must have at least one entry")
+        for i, value in enumerate(steps):
+            validate_steps_value(value, f"steps[{i}]")
+    elif not callable(steps):
+        raise ConfigError(
+            f"steps must be an int, a sequence of ints or a callable, got {type(steps).__name__}"
+        )
+    if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+        raise ConfigError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm}")
+    if samples_per_window is not None and (
+        isinstance(samples_per_window, bool)
+        or not isinstance(samples_per_window, int)
+        or samples_per_window < 1
+    ):
+        raise ConfigError(f"samples_per_window must be a positive int or None, got {samples_per_window!r}")

@@ -39,17 +39,8 @@ class WideGradients:
     """Sum low-precision parameters' gradients in ``dtype`` across a window's micro-batches."""
 
     def __init__(self, params: Iterable[nn.Parameter], dtype: torch.dtype) -> None:
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ConfigError(
-                f"accumulate_dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}"
-            )
         self.dtype = dtype
-        width = torch.finfo(dtype).bits
-        self.params = [
-            p
-            for p in params
-            if p.requires_grad and p.is_floating_point() and torch.finfo(p.dtype).bits < width
-        ]
+        self.params = wide_parameters(params, dtype)
         self.sums: dict[int, torch.Tensor] = {}
         me = weakref.ref(self)  # the hooks must not keep a discarded accumulator's sums alive
 
@@ -59,7 +50,12 @@ class WideGradients:
                 owner._take(param)
 
         handles = [p.register_post_accumulate_grad_hook(take) for p in self.params]
-        weakref.finalize(self, _remove, handles)
+        self._remove = weakref.finalize(self, _remove, handles)
+
+    def remove_hooks(self) -> None:
+        """Remove the hooks now (Accumulator.close); gradients then stay in ``.grad`` as usual."""
+        self._remove()
+        self.sums.clear()
 
     def _take(self, param: torch.Tensor) -> None:
         grad = param.grad
@@ -89,6 +85,18 @@ class WideGradients:
     def extra_bytes(self) -> int:
         """Bytes of the wide sums (held from a window's first backward to its step)."""
         return sum(p.numel() * torch.finfo(self.dtype).bits // 8 for p in self.params)
+
+
+def wide_parameters(params: Iterable[nn.Parameter], dtype: torch.dtype) -> list[nn.Parameter]:
+    """The trainable floating parameters narrower than ``dtype``: those WideGradients hooks."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(
+            f"accumulate_dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}"
+        )
+    width = torch.finfo(dtype).bits
+    return [
+        p for p in params if p.requires_grad and p.is_floating_point() and torch.finfo(p.dtype).bits < width
+    ]
 
 
 def _remove(handles: list[Any]) -> None:

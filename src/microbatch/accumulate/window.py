@@ -12,15 +12,14 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..errors import ConfigError
-
-if TYPE_CHECKING:
-    from .accumulator import Accumulator
+from .. import distributed
+from ..errors import ConfigError, UsageError
+from .state import WindowState
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +37,10 @@ class Scaled:
     skipped: bool  # the norm is not finite: no optimizer step
 
 
-def read_window(acc: Accumulator) -> tuple[float, float, float]:
+def read_window(state: WindowState) -> tuple[float, float, float]:
     """This rank's items, loss sum and R as numbers: one read from the device per window."""
-    values = [acc._items, acc._loss_sum, acc._reference_items]
-    flags, acc._item_flags = acc._item_flags, None
+    values = [state.items, state.loss_sum, state.reference_items]
+    flags = state.item_flags  # kept until the read succeeds, so a retried step() checks them too
     on_device = [v for v in (*values, flags) if isinstance(v, torch.Tensor)]
     if not on_device:
         return float(values[0]), float(values[1]), float(values[2])
@@ -51,9 +50,9 @@ def read_window(acc: Accumulator) -> tuple[float, float, float]:
     numbers = [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
     bad, empty = (next(read), next(read)) if flags is not None else (0.0, 0.0)
     if bad or empty:
-        acc._discard_window()
+        state.discard()  # gradients, wide sums and counts: the next window starts clean
         raise ConfigError(
-            f"window {acc.window}: "
+            f"window {state.window}: "
             + (
                 "an items count was negative, not finite or not a whole number"
                 if bad
@@ -61,7 +60,24 @@ def read_window(acc: Accumulator) -> tuple[float, float, float]:
             )
             + "; the window's gradients are discarded. Drop such micro-batches from the data"
         )
+    state.item_flags = None
     return numbers[0], numbers[1], numbers[2]
+
+
+def agree_on_totals(
+    state: WindowState, items: float, loss_sum: float, *, data_parallel: bool
+) -> tuple[float, float, float, int]:
+    """(T, loss sum, micro-batches) over all ranks, and W_avg; sets how many ranks have more data."""
+    local = [items, loss_sum, float(state.micro_batches), float(state.has_more_local)]
+    averaged_over = 1
+    if data_parallel:
+        # One all_reduce per window: global items T, loss sum, micro-batches, ranks with more data.
+        local = distributed.all_reduce_values(local)
+        averaged_over = distributed.world_size()  # DDP and FSDP2 divide the summed gradient by W
+    total_items, total_loss, total_micro_batches, state.ranks_with_more = local
+    if total_items <= 0:
+        raise UsageError("step() on a window without items on any rank: there is no gradient to apply")
+    return total_items, total_loss, total_micro_batches, averaged_over
 
 
 def total_norm(grads: list[torch.Tensor]) -> float:
@@ -73,12 +89,39 @@ def total_norm(grads: list[torch.Tensor]) -> float:
     return float(norm)
 
 
-def scale_gradients(acc: Accumulator, factor: float) -> Scaled:
-    """Unscale (GradScaler, once), normalise by ``factor`` and clip the optimizer's gradients."""
-    widened = acc._wide.restore_(factor) if acc._wide is not None else set()  # scaled in the wide dtype
-    stepped = [p for g in acc.optimizer.param_groups for p in g["params"] if p.grad is not None]
-    if acc.scaler is not None:
-        acc.scaler.unscale_(acc.optimizer)  # the optimizer's gradients only, at most once a window
+def scale_gradients(
+    state: WindowState,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    max_grad_norm: float | None,
+    factor: float,
+) -> Scaled:
+    """Unscale (GradScaler, once), normalise by ``factor`` and clip the optimizer's gradients.
+
+    If this raises (out of memory computing the norm), the gradients are partly scaled: the
+    window can only be dropped (``state.progress.scaling_failed``; step() refuses a retry), and
+    the scaler forgets the unscale so the next window may unscale again. Nothing was stepped.
+    """
+    try:
+        return _scale_gradients(state, optimizer, scaler, max_grad_norm, factor)
+    except BaseException:
+        state.progress.scaling_failed = True
+        if scaler is not None:
+            scaler._per_optimizer_states.pop(id(optimizer), None)
+        raise
+
+
+def _scale_gradients(
+    state: WindowState,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    max_grad_norm: float | None,
+    factor: float,
+) -> Scaled:
+    widened = state.wide.restore_(factor) if state.wide is not None else set()  # scaled in the wide dtype
+    stepped = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if scaler is not None:
+        scaler.unscale_(optimizer)  # the optimizer's gradients only, at most once a window
     grads = [p.grad for p in stepped if id(p) not in widened]
     wide = [p for p in stepped if id(p) in widened]
     # Normalising multiplies the other gradients by factor (the wide ones are already), so the
@@ -86,9 +129,9 @@ def scale_gradients(acc: Accumulator, factor: float) -> Scaled:
     grad_norm = math.hypot(factor * total_norm(grads), total_norm([p.grad for p in wide]))
     skipped = not math.isfinite(grad_norm)
     clip = 1.0
-    if acc.max_grad_norm is not None and not skipped:
+    if max_grad_norm is not None and not skipped:
         # torch.nn.utils.clip_grad_norm_'s coefficient, applied in the same multiply.
-        clip = min(1.0, acc.max_grad_norm / (grad_norm + 1e-6))
+        clip = min(1.0, max_grad_norm / (grad_norm + 1e-6))
     multiplier = factor * clip
     if grads and multiplier != 1.0:
         torch._foreach_mul_(grads, multiplier)
@@ -98,7 +141,9 @@ def scale_gradients(acc: Accumulator, factor: float) -> Scaled:
     return Scaled(grads, multiplier, wide, clip, factor, grad_norm, skipped)
 
 
-def restore_gradients(acc: Accumulator, scaled: Scaled) -> None:
+def restore_gradients(
+    state: WindowState, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, scaled: Scaled
+) -> None:
     """Undo scale_gradients after the optimizer raised: the window's gradients as before step()."""
     grads, wide, clip = scaled.grads, scaled.wide, scaled.clip
     if grads and scaled.multiplier != 1.0:
@@ -106,38 +151,68 @@ def restore_gradients(acc: Accumulator, scaled: Scaled) -> None:
     wide_grads = [p.grad for p in wide if p.grad is not None]
     if wide_grads and clip != 1.0:
         torch._foreach_div_(wide_grads, clip)
-    if acc.scaler is not None:
-        scale = acc.scaler.get_scale()
+    if scaler is not None:
+        scale = scaler.get_scale()
         everything = grads + wide_grads
         if everything and scale != 1.0:
             torch._foreach_mul_(everything, scale)  # a power of two: exactly undoes unscale_
         # Forget that unscale_ ran for this optimizer, so a retried step() may call it again.
-        acc.scaler._per_optimizer_states.pop(id(acc.optimizer), None)
-    if acc._wide is not None:
+        scaler._per_optimizer_states.pop(id(optimizer), None)
+    if state.wide is not None:
         for p in wide:  # back into the wide sums, unnormalised, as before restore_()
             if p.grad is not None:
-                acc._wide.sums[id(p)] = p.grad.to(acc._wide.dtype) / scaled.factor
+                state.wide.sums[id(p)] = p.grad.to(state.wide.dtype) / scaled.factor
             p.grad = None
-    logger.warning(
-        "window %d: the optimizer step raised; the window's gradients are restored, so step() can "
-        "be retried or the window dropped with discard_window()",
-        acc.window,
-    )
 
 
-def optimizer_step(acc: Accumulator, scaled: Scaled) -> None:
-    """The optimizer step (skipped on a non-finite norm), undone with restore_gradients if it raises."""
+def optimizer_step(
+    state: WindowState, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, scaled: Scaled
+) -> None:
+    """The optimizer step (skipped on a non-finite norm), undone with restore_gradients if it raises.
+
+    Whether the optimizer had changed anything before it raised is read from version counters:
+    every in-place write to a tensor (p.add_, a foreach op, ``state["step"] += 1``) bumps its
+    ``_version``, and state created for a parameter adds entries. Their sum before and after
+    tells a clean failure (a retry is exact) from a half-made step (a retry would apply part of it
+    twice: step() then refuses it). A kernel that writes without bumping versions (fused AdamW)
+    still bumps its step counters first, so it is caught too.
+    """
+    before = _fingerprint(optimizer)
     try:
-        if acc.scaler is not None:
-            acc.scaler.step(acc.optimizer)  # skips by itself when unscale_ found inf/nan
+        if scaler is not None:
+            scaler.step(optimizer)  # skips by itself when unscale_ found inf/nan
         elif not scaled.skipped:
-            acc.optimizer.step()
+            optimizer.step()
         else:
             logger.warning(
                 "window %d: non-finite gradient norm (%s); optimizer step skipped",
-                acc.window,
+                state.window,
                 scaled.grad_norm,
             )
     except BaseException:
-        restore_gradients(acc, scaled)
+        restore_gradients(state, optimizer, scaler, scaled)
+        state.progress.optimizer_raised = True
+        state.progress.mutated = state.progress.mutated or _fingerprint(optimizer) != before
+        logger.warning(
+            "window %d: the optimizer step raised; %s",
+            state.window,
+            "it had already changed parameters or optimizer state, so step() will not be retried: restore "
+            "model and optimizer from a checkpoint, then discard_window()"
+            if state.progress.mutated
+            else "it had changed nothing and the window's gradients are restored, so step() can be retried "
+            "or the window dropped with discard_window()",
+        )
         raise
+
+
+def _fingerprint(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """(state entries, summed version counters) of the parameters and the optimizer state: both only grow."""
+    entries = versions = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            versions += p._version
+            per_parameter: Any = optimizer.state.get(p)
+            if per_parameter:
+                entries += len(per_parameter)
+                versions += sum(v._version for v in per_parameter.values() if isinstance(v, torch.Tensor))
+    return entries, versions

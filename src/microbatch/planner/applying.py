@@ -17,15 +17,56 @@ flag are used. FSDP2's ``fully_shard`` changes no names: the model is its own in
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..accumulate.accumulator import Accumulator
+from ..checkpointing.api import CheckpointHandle
 from ..errors import ConfigError
 from ..trees.modules import unwrap_compiled
 
 GRADIENT_SYNCS = ("window", "micro-batch")
+_APPLIED = "_microbatch_applied_plan"  # on the inner model: (checkpoint handle, weakref to the Accumulator)
+
+
+def attach(
+    model: nn.Module,
+    checkpoint: Callable[[nn.Module], CheckpointHandle | None],
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    options: dict[str, Any],
+) -> Accumulator:
+    """Checkpoint the module inside ``model`` and build the Accumulator on ``model`` itself."""
+    inner = inner_model(model)
+    if _APPLIED in inner.__dict__:
+        raise ConfigError(
+            "plan.apply(model, ...): this model already has a plan applied; call plan.remove(model) "
+            "first, then apply the new plan"
+        )
+    handle = checkpoint(inner)
+    try:
+        accumulator = Accumulator(model, optimizer, steps=steps, **options)
+    except BaseException:
+        if handle is not None:
+            handle.remove()
+        raise
+    inner.__dict__[_APPLIED] = (handle, weakref.ref(accumulator))
+    return accumulator
+
+
+def detach(model: nn.Module) -> None:
+    """Undo ``attach``: the checkpointing removed, the Accumulator closed; nothing when none is attached."""
+    applied = inner_model(model).__dict__.pop(_APPLIED, None)
+    if applied is not None:
+        handle, accumulator = applied
+        if handle is not None:
+            handle.remove()
+        if (closing := accumulator()) is not None:
+            closing.close()
 
 
 def inner_model(model: nn.Module) -> nn.Module:

@@ -31,7 +31,6 @@ NONE = "none"
 # print(plan) shows this many frontier rows around the chosen one; to_dict() holds them all.
 SHOWN_FRONTIER_ROWS = 10
 # The attribute of a model that a plan's apply() marks (holding the checkpoint handle, or None).
-_APPLIED = "_microbatch_applied_plan"
 
 
 def summarize_policies(block_policies: Sequence[tuple[str, str]]) -> str:
@@ -159,32 +158,26 @@ class Plan:
         go to Accumulator (scheduler, max_grad_norm, scaler, ...); the options that change memory
         (accumulate_dtype, scaler, the FSDP sync mode) must be those the plan was made with
         (planner/applying.py) and default to them. Feed it micro-batches of ``micro_batch_sizes``
-        (``plan.split(batch)`` cuts a rank's batch). ``plan.remove(model)`` undoes the checkpointing;
+        (``plan.split(batch)`` cuts a rank's batch): it warns once when a full window holds another
+        number of samples than the plan's per-rank batch. ``plan.remove(model)`` undoes the
+        checkpointing and closes that Accumulator;
         applying a plan to a model that already has one applied raises ConfigError (remove it first).
         """
-        inner = inner_model(model)
-        if _APPLIED in inner.__dict__:
-            raise ConfigError(
-                "plan.apply(model, ...): this model already has a plan applied; call plan.remove(model) "
-                "first, then apply the new plan"
-            )
-        options = accumulator_options
+        options = dict(accumulator_options)
         if self.source != "manual":  # a manual plan measured nothing: the user vouches for every option
             options = applying.accumulator_options(
                 accumulate_dtype=self.accumulate_dtype,
                 scaler=self.scaler,
                 gradient_sync=self.gradient_sync,
-                given=accumulator_options,
+                given=options,
             )
-        handle = self.checkpoint(inner)
-        inner.__dict__[_APPLIED] = handle
-        return Accumulator(model, optimizer, steps=self.steps, **options)
+        options.setdefault("samples_per_window", sum(self.micro_batch_sizes))
+        return applying.attach(model, self.checkpoint, optimizer, self.steps, options)
 
     def remove(self, model: nn.Module) -> None:
-        """Undo ``apply``: the model's blocks are plain again. A model with no plan applied is left as is."""
-        handle = inner_model(model).__dict__.pop(_APPLIED, None)
-        if handle is not None:
-            handle.remove()
+        """Undo ``apply``: the model's blocks are plain again and apply's Accumulator is closed (its
+        gradient hooks removed). A model with no plan applied is left as is."""
+        applying.detach(model)
 
     def check_model(self, model: nn.Module, *, device: torch.device | str | None = None) -> None:
         """Raise ConfigError unless ``model`` (and ``device``) is what this plan was made for.

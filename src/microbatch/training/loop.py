@@ -3,9 +3,12 @@
 ``run_windows(session, progress)`` trains from ``session.step`` up to ``config.steps``:
 
 - each window is drawn whole, cut into the plan's micro-batches, and run by the Accumulator;
-- a training-time out-of-memory error (single process) undoes the window (gradients dropped, the
-  data stream and random state put back to the window's start), saves the checkpoint, re-plans
-  without the failed configuration and runs the same window again (see ``_recover``);
+- a training-time out-of-memory error (single process) in the micro-batch loop undoes the window
+  (gradients dropped, the data stream and every random state put back to the window's start),
+  saves the checkpoint, re-plans without the failed configuration and runs the same window again
+  (see ``_recover``); one raised once the optimizer's step began (AdamW allocating its state at
+  the first step) is never retried: the step may be half made, so the run stops with a
+  TrainingError and the last good checkpoint stays as it was;
 - an out-of-memory error while evaluating (after the step) evaluates again in smaller pieces;
 - ``config.max_skipped_windows`` skipped optimizer steps in a row stop the run (TrainingError);
 - SIGINT / SIGTERM stop it at the next window boundary (signals.py).
@@ -198,12 +201,23 @@ def _run_window(session: Session, micro_batches: list[dict[str, torch.Tensor]]) 
 
 
 def _window_start(session: Session) -> dict[str, Any]:
-    """What a window changes before its optimizer step: data stream, random state, Accumulator."""
+    """What a window changes before its optimizer step: data stream, random states, Accumulator.
+
+    Dropout draws from the CPU generator on CPU and from the device's generator on CUDA: both are
+    kept, so the re-run draws the same masks.
+    """
     return {
         "data": session.train_data.state_dict(),
         "rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state(session.device) if session.device.type == "cuda" else None,
         "accumulator": accumulator(session).state_dict(),
     }
+
+
+def _restore_rng(session: Session, start: dict[str, Any]) -> None:
+    torch.set_rng_state(start["rng"])
+    if start["cuda_rng"] is not None:
+        torch.cuda.set_rng_state(start["cuda_rng"], session.device)
 
 
 def _recover(session: Session, start: dict[str, Any]) -> None:
@@ -212,15 +226,16 @@ def _recover(session: Session, start: dict[str, Any]) -> None:
     The window's partial gradients are dropped and its data and random state put back, so nothing
     of it is applied; the checkpoint is saved at the window boundary (work so far is safe even if
     re-planning fails); then the plan is replaced by one without the failed configuration
-    (plan.plan_without), saved again, and the same window runs again. An out-of-memory error
-    inside the optimizer's own step would leave a partial update: it is not caught here.
+    (plan.plan_without), saved again, and the same window runs again. Only a window whose
+    optimizer step had not begun comes here (``_train_window``).
     """
     session.optimizer.zero_grad(set_to_none=True)
     free_memory(session.device)
     session.train_data.load_state_dict(start["data"])
-    torch.set_rng_state(start["rng"])
+    _restore_rng(session, start)
     failed = session.plan
-    session.accumulator = None  # abandoned mid-window: a fresh one at the window's start
+    accumulator(session).close()  # abandoned mid-window: a fresh one at the window's start
+    session.accumulator = None
     use_plan(session, failed)
     accumulator(session).load_state_dict(start["accumulator"])
     save(session)
@@ -257,11 +272,24 @@ def _train_window(session: Session, peak: PeakMemory) -> tuple[WindowStats, floa
         except (RuntimeError, MemoryError) as error:
             if not is_out_of_memory(error) or distributed.world_size() > 1:
                 raise
+            if accumulator(session).step_began:  # retry only the micro-batch loop, never a step
+                raise _step_began_error(session, error) from error
             failed = True
         finally:
             del micro_batches
         if failed:  # outside the handler, so the failed window's tensors can be freed
             _recover(session, start)
+
+
+def _step_began_error(session: Session, error: BaseException) -> TrainingError:
+    """An out-of-memory error once the optimizer's step began: the update may be half made."""
+    return TrainingError(
+        f"out of memory inside the optimizer's step at step {session.step + 1} "
+        f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}): the parameters and "
+        "the optimizer state may be partly updated, so the window is not run again and nothing of it is "
+        "saved; the last checkpoint in the run folder is as it was. Give the run more memory (or use a "
+        "smaller --model, or a lighter optimizer state), then resume with --resume"
+    )
 
 
 def _intervals(session: Session) -> tuple[int, int]:

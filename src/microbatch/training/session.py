@@ -148,6 +148,8 @@ def use_plan(session: Session, plan: Plan) -> None:
 def release_plan(session: Session) -> dict[str, Any] | None:
     """Remove the plan's checkpointing and the Accumulator (at a window boundary); its state."""
     state = session.accumulator.state_dict() if session.accumulator is not None else None
+    if session.accumulator is not None:
+        session.accumulator.close()  # its hooks go now, not when it is collected
     if session.checkpoint_handle is not None:
         session.checkpoint_handle.remove()
     session.checkpoint_handle, session.accumulator = None, None
@@ -183,6 +185,7 @@ def checkpoint_state(session: Session) -> dict[str, Any]:
         "scheduler": session.scheduler.state_dict(),
         "scaler": session.scaler.state_dict() if session.scaler is not None else None,
         "accumulator": accumulator(session).state_dict(),
+        "replans": session.replans,  # so summary.json counts the whole run's re-plans after a resume
         "ranks": rank_states,
     }
 
@@ -203,6 +206,7 @@ def restore(session: Session, state: dict[str, Any]) -> None:
         if session.device.type == "cuda" and "cuda" in rank_state["rng"]:
             torch.cuda.set_rng_state(rank_state["rng"]["cuda"], session.device)
         session.step = int(state["step"])
+        session.replans = int(state.get("replans", 0))
     except (KeyError, IndexError, RuntimeError, ValueError, TypeError) as error:
         raise ResumeError(
             f"--resume: {path!r} does not match this run ({type(error).__name__}: "
