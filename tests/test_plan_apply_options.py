@@ -34,7 +34,10 @@ def test_a_different_accumulate_dtype_is_refused_by_name() -> None:
 def test_the_plans_accumulate_dtype_is_used_when_not_given() -> None:
     model, optimizer = _model()
     accumulator = _plan(accumulate_dtype="float32").apply(model, optimizer)
-    assert accumulator._wide is not None and accumulator._wide.dtype == torch.float32
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    accumulator.backward(model(x).float().mean(), items=2)
+    # Summed wide: the hook moved the bfloat16 gradient into a float32 sum, .grad is empty again.
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_a_scaler_the_plan_did_not_measure_is_refused() -> None:
