@@ -83,8 +83,10 @@ def test_the_gradient_is_the_full_batch_gradient(
 
 
 def test_unsharded_gradients_make_the_window_mode_hold_more(runs: list[dict[str, dict]]) -> None:
-    # The tracker sees what the plan counts: under sync-once the gradients held are the whole model's.
+    # The tracker sees what the plan counts: under sync-once the gradients held are the whole model's
+    # (twice a rank's shard here). The breakdown is the one at the peak, which may fall inside the last
+    # backward, where some blocks' gradients are already reduce-scattered: well above one shard still.
     for run in runs:
         window = run["window"]["parts"][-1]["breakdown"]["gradients"]
         every = run["micro-batch"]["parts"][-1]["breakdown"]["gradients"]
-        assert window >= 1.9 * every
+        assert window >= 1.5 * every
