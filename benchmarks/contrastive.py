@@ -18,6 +18,7 @@ CPU. Two measurements, side by side in one run:
 
     python benchmarks/contrastive.py                      # prints, writes the RESULTS.md section
     python benchmarks/contrastive.py --quick --no-write
+    python benchmarks/contrastive.py --sentence-transformers   # ST's CachedMNRL beside CachedSentenceLoss
     microbatch bench contrastive
 """
 
@@ -361,6 +362,11 @@ def markdown(report: dict[str, Any], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    if "--sentence-transformers" in arguments:  # sentence-transformers' cached loss beside ours
+        import contrastive_st
+
+        return contrastive_st.main([a for a in arguments if a != "--sentence-transformers"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--micro", type=int, default=16, help="encode micro-batch size of the cached form")
     parser.add_argument("--rounds", type=int, default=9, help="timed rounds per form")

@@ -51,6 +51,7 @@ import results  # benchmarks/results.py
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION_TITLE = "Faults"
+RUNS_SECTION_TITLE = "Faults: run folders and saved state"
 OUTCOMES = ("ok", "clear error", "launcher traceback", "traceback", "hang", "silent wrong", "data lost")
 # A tiny training run: seconds of compute, 3 micro-batches per step (3 + 3 + 2), no planning.
 TINY = ["--model", "gpt-nano", "--batch", "8", "--micro-batch", "3", "--no-progress"]
@@ -823,7 +824,8 @@ def section(report: dict[str, Any]) -> str:
     totals = ", ".join(f"{counts.get(outcome, 0)} {outcome}" for outcome in OUTCOMES)
     return "\n".join(
         [
-            "Every fault of issue #11 injected (benchmarks/faults.py): what a user gets. Target: "
+            report.get("intro", "Every fault of issue #11 injected (benchmarks/faults.py): what a user gets.")
+            + " Target: "
             "0 traceback, 0 hang, 0 silent wrong, 0 data lost. owner: library = accumulation, planner, CLI; "
             "training = the training loop. launcher traceback: torchrun's own launcher re-raises the "
             "signal (SignalException, exit 1) after our workers saved and printed the resume command; "
@@ -850,7 +852,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps of each killed run")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", choices=("library", "cli", "kills"), help="run one group of cases")
+    parser.add_argument(
+        "--only",
+        choices=("library", "cli", "kills", "runs"),
+        help="run one group of cases (runs: issue 22's run folders and saved state, its own section)",
+    )
     parser.add_argument("--quick", action="store_true", help="3 random kills and 1 in a checkpoint write")
     results.add_output_arguments(parser)
     args = parser.parse_args(argv)
@@ -867,6 +873,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             cases += kill_cases(
                 work, kills=args.kills, write_kills=args.write_kills, steps=args.steps, seed=args.seed
             )
+        if args.only in (None, "runs"):
+            from _faults_runs import run_cases  # benchmarks/_faults_runs.py (imports this module)
+
+            cases += run_cases(work)
     for case in cases:
         print(f"{case.outcome:>12}  {case.name}: {case.detail}", file=sys.stderr)
     report: dict[str, Any] = {
@@ -878,7 +888,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["command"] = results.reproducing_command(
         "faults", sys.argv[1:] if argv is None else list(argv), json_mode=args.json
     )
-    return results.emit(SECTION_TITLE, section(report), report, json_mode=args.json, write=not args.no_write)
+    title = RUNS_SECTION_TITLE if args.only == "runs" else SECTION_TITLE
+    if args.only == "runs":
+        report["intro"] = (
+            "Issue 22's faults (benchmarks/_faults_runs.py, `faults.py --only runs`): foreign and concurrent "
+            "run folders, session signals, symlinks, edited plans / histories / checkpoints, stash files, "
+            "huge sizes; owner runs = the run folder and saved state."
+        )
+    return results.emit(title, section(report), report, json_mode=args.json, write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -115,6 +115,9 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
         "errors", "trees", "memory", "workload", "distributed", "accumulate", "checkpointing", "profile",
         "planner", "models",
     },
+    "lightning": {
+        "errors", "trees", "memory", "workload", "distributed", "accumulate", "checkpointing", "planner",
+    },
     "training": {
         "errors", "trees", "memory", "workload", "distributed", "accumulate", "checkpointing", "profile",
         "planner", "models",

@@ -402,5 +402,7 @@ def test_two_ranks_train_resume_and_only_rank_zero_writes(tmp_path: Path) -> Non
     assert state["plan"]["world_size"] == 2
     assert len(state["ranks"]) == 2
     assert not torch.equal(state["ranks"][0]["data"]["generator"], state["ranks"][1]["data"]["generator"])
-    # Rank 0 alone wrote the run folder: exactly the run files, no leftovers from a second writer.
-    assert sorted(path.name for path in (tmp_path / "whole").iterdir()) == sorted(RUN_FILES)
+    # Rank 0 alone wrote the run folder: exactly the run files (and rank 0's marker and lock file),
+    # no leftovers from a second writer.
+    names = sorted(path.name for path in (tmp_path / "whole").iterdir())
+    assert names == sorted([*RUN_FILES, ".microbatch-run.json", ".microbatch.lock"])

@@ -10,10 +10,12 @@ by its function, with the traceback under --verbose. Exit statuses are in EXIT_S
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import os
 import sys
+import sysconfig
 import traceback
 from collections.abc import Sequence
 from types import TracebackType
@@ -96,6 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except Exception as error:
         where = user_code_frame(error.__traceback__)
+        if where is None and isinstance(error, OSError) and error.errno in _ENVIRONMENT_ERRNOS:
+            # The machine, not the code: a full disk or TMPDIR, a read-only folder, a quota.
+            print(f"microbatch {args.command}: error: {_os_error_line(error)}", file=sys.stderr)
+            return 2
         if where is None:
             traceback.print_exception(error, file=sys.stderr)
             print(
@@ -115,13 +121,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-# microbatch's and torch's own files: frames in them are not the user's code.
+# microbatch's, torch's and the standard library's own files: frames in them are not the user's
+# code (json, contextlib or subprocess raising inside our own calls is not "error in your code").
+# Installed packages (site-packages) may sit inside the standard library's folder: they are not it.
 _LIBRARIES = tuple(os.path.dirname(os.path.abspath(path)) + os.sep for path in (__file__, torch.__file__))
+_PATHS = sysconfig.get_paths()
+_STANDARD_LIBRARY = tuple({os.path.abspath(_PATHS[name]) + os.sep for name in ("stdlib", "platstdlib")})
+_INSTALLED = tuple({os.path.abspath(_PATHS[name]) + os.sep for name in ("purelib", "platlib")})
+_ENVIRONMENT_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+)
+
+
+def _os_error_line(error: OSError) -> str:
+    where = f"{error.filename!r}: " if error.filename else ""
+    name = errno.errorcode.get(error.errno or 0, "")
+    return f"{where}{error.strerror or error} ({name}); free space or fix the permissions, then run it again"
 
 
 def _is_library(filename: str) -> bool:
     path = os.path.abspath(filename)
-    return path.startswith(_LIBRARIES) or filename.startswith("<frozen")
+    standard = path.startswith(_STANDARD_LIBRARY) and not path.startswith(_INSTALLED)
+    return path.startswith(_LIBRARIES) or standard or filename.startswith("<frozen")
 
 
 def user_code_frame(tb: TracebackType | None) -> str | None:

@@ -54,6 +54,7 @@ from .. import distributed
 from ..errors import ConfigError, UsageError
 from ..trees.batches import batch_size_of
 from .batchnorm import BatchNormWindows
+from .foreign import refuse_foreign_accumulation
 from .iteration import Windows, iterate_windows, refuse_nested
 from .micro import (
     Micro,
@@ -110,6 +111,7 @@ class Accumulator:
         samples_per_window: int | None = None,
     ) -> None:
         check_options(model, optimizer, steps, max_grad_norm, samples_per_window)
+        refuse_foreign_accumulation(optimizer)  # Accelerate's own accumulation would drop our steps
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler

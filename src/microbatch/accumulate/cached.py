@@ -50,6 +50,7 @@ from .. import distributed
 from ..errors import ConfigError, UsageError
 from ..trees.batches import batch_size_of, micro_batch_sizes, split_batch, tensors_of
 from .accumulator import Accumulator
+from .cached_arguments import check_arguments, should_gather
 
 logger = logging.getLogger(__name__)
 
@@ -295,29 +296,6 @@ def _rows_per_rank(rows: int, device: torch.device) -> list[int]:
 # ---------------------------------------------------------------------- public API
 
 
-def _check_arguments(encode: object, loss: object, micro_batch_size: object) -> None:
-    if not callable(encode):
-        raise ConfigError(
-            f"encode must be a callable micro_batch -> representations, got {type(encode).__name__}"
-        )
-    if not callable(loss):
-        raise ConfigError(
-            f"loss must be a callable representations -> scalar loss, got {type(loss).__name__}"
-        )
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-        raise ConfigError(
-            f"micro_batch_size must be an integer >= 1 (samples per encode pass), got {micro_batch_size!r}"
-        )
-
-
-def _should_gather(gather: bool | None) -> bool:
-    if gather is None:
-        return distributed.is_initialized() and distributed.world_size() > 1
-    if gather and not distributed.is_initialized():
-        raise ConfigError("gather=True needs an initialised torch.distributed process group (torchrun)")
-    return bool(gather)
-
-
 def _check_ranks(run: _Run) -> None:
     """DDP broadcasts buffers in every forward: all ranks must run as many encode passes."""
     model = run.model
@@ -342,6 +320,42 @@ def _check_ranks(run: _Run) -> None:
     run.grad_scale = float(distributed.world_size())  # DDP averages: sum_r g_r = W * mean_r g_r
 
 
+def cached_representations(
+    encode: Encode,
+    batch: Any,
+    *,
+    micro_batch_size: int,
+    model: nn.Module | None = None,
+    gather: bool | None = None,
+) -> Any:
+    """``encode(batch)``'s representations, computed ``micro_batch_size`` rows at a time without a graph.
+
+    Their backward re-encodes each micro-batch (step 3 of the module docstring). Steps 1 and 3 of
+    ``cached_loss`` alone: a loss over several calls' representations (one per tower or column, each
+    encoded apart, so only one tower's micro-batch of activations is alive at a time) is exact too.
+    """
+    check_arguments(encode, len, micro_batch_size)
+    if not torch.is_grad_enabled():
+        raise UsageError(
+            "cached_backward / cached_loss was called under torch.no_grad(): call it with grad enabled"
+        )
+    total = batch_size_of(batch)
+    if total < 1:
+        raise ConfigError(
+            "cached_backward / cached_loss got an empty batch (0 samples): there is no loss to take; "
+            "skip empty batches in the data"
+        )
+    micro_batches = split_batch(batch, micro_batch_sizes(total, micro_batch_size))
+    run = _Run(encode=encode, micro_batches=micro_batches, model=model, gather=should_gather(gather))
+    if run.gather:
+        _check_ranks(run)
+    elif model is not None and distributed.data_parallel_kind(model) == "fsdp":
+        raise ConfigError("cached_backward does not support FSDP2 models; use DDP (model=the DDP module)")
+    anchor = torch.empty(0, requires_grad=True)
+    flat = _CachedEncode.apply(anchor, run)
+    return _unflatten(_structure_of(run), flat)
+
+
 def cached_loss(
     encode: Encode,
     batch: Any,
@@ -357,26 +371,10 @@ def cached_loss(
     parameters' ``.grad`` with the full batch's gradient; the encode passes of step 1 have run when
     this returns, the re-encode passes run in that backward. See ``cached_backward`` for arguments.
     """
-    _check_arguments(encode, loss, micro_batch_size)
-    if not torch.is_grad_enabled():
-        raise UsageError(
-            "cached_backward / cached_loss was called under torch.no_grad(): call it with grad enabled"
-        )
-    total = batch_size_of(batch)
-    if total < 1:
-        raise ConfigError(
-            "cached_backward / cached_loss got an empty batch (0 samples): there is no loss to take; "
-            "skip empty batches in the data"
-        )
-    micro_batches = split_batch(batch, micro_batch_sizes(total, micro_batch_size))
-    run = _Run(encode=encode, micro_batches=micro_batches, model=model, gather=_should_gather(gather))
-    if run.gather:
-        _check_ranks(run)
-    elif model is not None and distributed.data_parallel_kind(model) == "fsdp":
-        raise ConfigError("cached_backward does not support FSDP2 models; use DDP (model=the DDP module)")
-    anchor = torch.empty(0, requires_grad=True)
-    flat = _CachedEncode.apply(anchor, run)
-    representations = _unflatten(_structure_of(run), flat)
+    check_arguments(encode, loss, micro_batch_size)
+    representations = cached_representations(
+        encode, batch, micro_batch_size=micro_batch_size, model=model, gather=gather
+    )
     value = loss(representations)
     if not isinstance(value, torch.Tensor):
         raise ConfigError(f"loss(representations) must return a tensor, got {type(value).__name__}")
@@ -436,7 +434,7 @@ def cached_backward(
         value.backward()
         return value.detach()
     items = batch_size_of(batch)
-    if _should_gather(gather):
+    if should_gather(gather):
         (items_float,) = distributed.all_reduce_values([float(items)])
         items = round(items_float)
     accumulator.backward(value, items=items)

@@ -282,15 +282,27 @@ def section_of(suite: str, report: dict[str, Any]) -> tuple[str, str] | None:
     return str(report.get("title") or suite.replace("_", " ").capitalize()), body
 
 
+def _check_output(output: Path) -> None:
+    """ConfigError naming --output unless its folder exists and the file can be written there."""
+    folder = output.parent if str(output.parent) else Path(".")
+    writable = folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)
+    if not writable or output.is_dir() or (output.exists() and not os.access(output, os.W_OK)):
+        raise ConfigError(
+            f"--output {str(output)!r}: cannot write the results there (its folder does not exist, is not "
+            "writable, or it is a folder); choose a file in a folder you can write to"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.timeout <= 0:
-        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        raise ConfigError(f"--timeout must be a positive, finite number of seconds, got {args.timeout}")
     root = find_root(args.root)
     suites = resolve_suites(root, args.suites)
     results = _load_results_module(root)
     # A quick run is a smoke test: it must not overwrite the full run's numbers.
     default_name = "RESULTS-quick.md" if args.quick else "RESULTS.md"
     output = Path(args.output) if args.output else root / "benchmarks" / default_name
+    _check_output(output)  # before the suites run (they may take many minutes)
     plot_dir = output.parent / "plots"
     plot_suffix = "-quick" if args.quick else ""
     verbose = bool(getattr(args, "verbose", False))

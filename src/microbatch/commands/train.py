@@ -25,6 +25,8 @@ from ..training.tokens import parse_max_tokens
 _DEFAULTS = TrainConfig()
 # Flags that map one to one onto TrainConfig fields (argparse dest == field name).
 _CONFIG_FLAGS = (
+    "pipeline",
+    "pipeline_schedule",
     "model",
     "batch",
     "memory",
@@ -56,8 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"at start; on the CPU {DEFAULT_CPU_MEMORY} (the CPU has no allocator to ask and shares its "
         "RAM with everything else, so the default is a small, GPU-like budget under which the default "
         "run plans accumulation; pass --memory to use more).\n\n"
-        "SIGINT (Ctrl-C) or SIGTERM (a scheduler) finishes the optimizer step in progress, saves the "
-        "checkpoint and summary.json, prints the resume command and exits 130 / 143; a second signal "
+        "SIGINT (Ctrl-C), SIGTERM (a scheduler), SIGHUP (the terminal closed), SIGUSR1/2 or SIGXCPU "
+        "finishes the optimizer step in progress, saves the checkpoint and summary.json, prints the "
+        "resume command and exits 128 + the signal's number (130 / 143 / 129); a second signal "
         "stops at once (the last checkpoint stays intact). An out-of-memory error during training "
         "re-plans smaller and runs the same step again. "
         f"{DEFAULT_MAX_SKIPPED_WINDOWS} skipped optimizer steps in a row (non-finite gradients) stop "
@@ -111,6 +114,18 @@ def _add_plan_arguments(add: Any) -> None:
         type=int,
         help="choose the micro-batch size yourself (Plan.manual: no profiling, nothing predicted); "
         "steps = batch / micro-batch, rounded up",
+    )
+    add(
+        "--pipeline",
+        type=int,
+        metavar="STAGES",
+        help="cut the model into STAGES pipeline stages over the processes (torchrun; the world size "
+        "must be a multiple: replicas x STAGES); gradients stay exact over every micro-batch (default 1)",
+    )
+    add(
+        "--pipeline-schedule",
+        choices=["gpipe", "1f1b", "interleaved-1f1b"],
+        help="the pipeline schedule (torch.distributed.pipelining's; default 1f1b)",
     )
     add(
         "--plan",

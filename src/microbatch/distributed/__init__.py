@@ -2,8 +2,10 @@
 
 ``process``: rank, world size, starting and ending the process group, rank-0 logging;
 ``sync``: DDP / FSDP2 gradient sync switched per micro-batch; ``collectives``: control numbers
-summed or maxed over ranks. ``launch`` (not re-exported) starts N local processes for tests and
-benchmarks; users launch with torchrun.
+summed or maxed over ranks; ``pipeline``: a model cut into stages over the ranks (``Pipeline``, on
+torch.distributed.pipelining) with exact item-weighted windows, ``stages`` (the DP x PP layout and
+where to cut) and ``stage_grads`` (sums over replicas and tied copies, the global norm). ``launch`` (not
+re-exported) starts N local processes for tests and benchmarks; users launch with torchrun.
 
 May import: ``errors``, ``trees``. Invariant: every collective runs on every rank at the same
 point of the loop, or it would hang.
@@ -12,6 +14,7 @@ point of the loop, or it would hang.
 from __future__ import annotations
 
 from .collectives import all_reduce_max_, all_reduce_values, destroy
+from .pipeline import Pipeline, PipelineStats
 from .process import (
     RankZeroFilter,
     init_from_env,
@@ -30,6 +33,8 @@ from .sync import ParallelKind, data_parallel_kind, ddp_sync, fsdp_sync
 
 __all__ = [
     "ParallelKind",
+    "Pipeline",
+    "PipelineStats",
     "RankZeroFilter",
     "all_reduce_max_",
     "all_reduce_values",

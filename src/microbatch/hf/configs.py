@@ -26,6 +26,7 @@ from torch import nn
 
 from ..errors import ConfigError, WorkloadError
 from ..memory.device_specs import DeviceSpec
+from ..planner.plan_checks import read_plan_file
 from ..profile.costs import Profile, SegmentProfile
 from ..profile.measure import ProgressFn
 from ..profile.simulate import simulate_profile, simulation, static_costs
@@ -151,14 +152,41 @@ def architecture_config(spec: str) -> dict[str, Any]:
     """The config fields of an embedded architecture or a local config.json."""
     if spec.lower() in ARCHITECTURES:
         return dict(ARCHITECTURES[spec.lower()])
-    try:
-        with open(spec, encoding="utf-8") as handle:
-            fields = json.load(handle)
-    except (OSError, ValueError) as error:
+    try:  # a regular file of bounded size, never a FIFO that blocks (plan_checks.read_plan_file)
+        fields = json.loads(read_plan_file(spec).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise ConfigError(f"cannot read the config {spec!r}: {error}") from error
     if not isinstance(fields, dict) or "model_type" not in fields:
         raise ConfigError(f"{spec!r} is not a Hugging Face config.json (it has no model_type)")
+    _check_shape_fields(spec, fields)
     return fields
+
+
+# Bounds far above any public model (Llama 3.1 405B: 126 layers, width 16,384, vocabulary 128,256),
+# so that a typo (num_hidden_layers 10^9) is refused at once instead of building a model for hours.
+SHAPE_LIMITS = {
+    "num_hidden_layers": 10_000,
+    "n_layer": 10_000,
+    "hidden_size": 1 << 20,
+    "n_embd": 1 << 20,
+    "intermediate_size": 1 << 22,
+    "num_attention_heads": 1 << 14,
+    "num_key_value_heads": 1 << 14,
+    "vocab_size": 1 << 24,
+    "max_position_embeddings": 1 << 24,
+}
+
+
+def _check_shape_fields(spec: str, fields: dict[str, Any]) -> None:
+    for name, limit in SHAPE_LIMITS.items():
+        value = fields.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+            raise ConfigError(
+                f"{spec!r}: field {name} is {value!r}; it must be an integer from 1 to {limit:,} "
+                "(far above any public model); fix the config"
+            )
 
 
 def layer_count(fields: dict[str, Any]) -> int:

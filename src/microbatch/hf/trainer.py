@@ -9,7 +9,9 @@ for models that take ``num_items_in_batch``; what it lacks is the choice. ``fit_
    ranks == batch exactly (or the nearest batch that splits evenly, with a warning naming it);
 3. apply it: microbatch's per-block checkpointing on the model (the Trainer's own gradient
    checkpointing off, so no block is recomputed twice; the cache off, as in any checkpointed
-   training), ``per_device_train_batch_size`` = micro-batch, ``gradient_accumulation_steps`` = steps.
+   training), ``per_device_train_batch_size`` = micro-batch, ``gradient_accumulation_steps`` = steps;
+4. take charge of the loss's weighting (``weighting.exact_loss_weighting``), so the window's gradient
+   is the full batch's whatever the model's forward accepts. Every refusal comes before step 3.
 
 The Trainer's effective batch is then ``per_device_train_batch_size * gradient_accumulation_steps *
 world_size`` == ``plan.batch_size``.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -29,8 +31,9 @@ from torch import nn
 from ..errors import ConfigError
 from ..memory import format_bytes, parse_bytes
 from ..planner import Plan, plan
-from ..trees.batches import tensor_bytes
+from ..trees.batches import batch_size_of, tensor_bytes
 from ..workload import Workload
+from .weighting import ItemCounter, check_exact_supported, exact_loss_weighting
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,9 @@ __all__ = ["fit_trainer", "trainer_workload"]
 # bookkeeping, accelerate's wrappers): measured 0.1 - 0.4 % of the peak above the trial's on a tiny
 # Llama (tests/test_hf_trainer.py), so 1 % of the budget.
 TRAINER_ALLOWANCE = 0.01
+
+# The key of the (rows, 0) marker a padding-free batch carries through the profile (see _examples).
+ROWS_KEY = "_microbatch_rows"
 
 
 def _examples(trainer: Any) -> Callable[[int], Any]:
@@ -59,9 +65,22 @@ def _examples(trainer: Any) -> Callable[[int], Any]:
         nonlocal position
         rows = [dataset[(position + i) % len(dataset)] for i in range(size)]
         position = (position + size) % len(dataset)
-        return collate(rows)
+        batch = collate(rows)
+        if isinstance(batch, Mapping) and batch_size_of(batch) != size:
+            # A padding-free collator (TRL's padding_free / packing) puts the rows into one sequence:
+            # an empty (size, 0) tensor first tells the planner how many samples the batch holds.
+            batch = {ROWS_KEY: torch.empty(size, 0), **batch}
+        return batch
 
     return make_batch
+
+
+def _rows(batch: Mapping[str, Any]) -> int:
+    """The samples in a batch from ``_examples``: its rows, or the rows a packed batch stands for."""
+    marker = batch.get(ROWS_KEY)
+    if isinstance(marker, torch.Tensor):
+        return int(marker.shape[0])
+    return int(next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0))
 
 
 def trainer_workload(trainer: Any) -> Workload:
@@ -76,9 +95,10 @@ def trainer_workload(trainer: Any) -> Workload:
         inputs = dict(batch)
         if hasattr(getattr(module, "config", None), "use_cache"):
             inputs["use_cache"] = False  # a training forward reads no cache; fit_trainer turns it off too
+        rows = _rows(inputs)
+        inputs.pop(ROWS_KEY, None)
         value = trainer.compute_loss(module, inputs)
-        rows = next(v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor))
-        return value, int(rows)
+        return value, rows
 
     def optimizer(module: nn.Module) -> torch.optim.Optimizer:
         # The optimizer the Trainer will build from its arguments (class and settings).
@@ -115,6 +135,8 @@ def fit_trainer(
     *,
     batch: int,
     memory: str | int | float,
+    exact: bool = True,
+    count_items: ItemCounter | None = None,
     **plan_options: Any,
 ) -> Plan:
     """Plan ``batch`` samples per optimizer step in ``memory`` for ``trainer`` and apply the plan.
@@ -122,12 +144,16 @@ def fit_trainer(
     Sets ``trainer.args.per_device_train_batch_size`` and ``gradient_accumulation_steps``, checkpoints
     the planned blocks of ``trainer.model``, and returns the plan. ``plan_options`` go to
     ``microbatch.plan`` (blocks, policies, min_micro_batch_size, trial, ...); ``even`` is always True.
-    Call it before ``trainer.train()``.
+    ``exact=True`` (the default) also takes charge of the loss's weighting so the window's gradient is
+    the full batch's on every architecture (``exact_loss_weighting``; ``count_items(batch)`` overrides
+    how a batch's items are counted). Call it before ``trainer.train()``; nothing on the trainer
+    changes when it raises.
     """
     if plan_options.pop("even", True) is not True:
         raise ConfigError("fit_trainer plans with even=True: the Trainer cannot run a short last micro-batch")
+    if exact:
+        check_exact_supported(trainer)
     world_size = int(getattr(trainer.args, "world_size", 1))
-    _turn_off_hf_checkpointing(trainer)  # the model's own flag: mb.checkpoint turns it off
     workload = trainer_workload(trainer)
     budget_bytes = parse_bytes(memory, device=workload.device, name="memory")
     # The Trainer fetches a window's micro-batches at once (to count its items): all but one of them
@@ -147,7 +173,17 @@ def fit_trainer(
         f"at once ({format_bytes(window_inputs_bytes)}) and keeps its own bookkeeping "
         f"({TRAINER_ALLOWANCE:.0%} of the budget set aside)"
     )
-    result = dataclasses.replace(result, budget_bytes=budget_bytes, notes=(*result.notes, note))
+    notes = (*result.notes, note)
+    _turn_off_hf_checkpointing(trainer)  # the model's own flag: mb.checkpoint turns it off
+    if exact:
+        notes = (*notes, exact_loss_weighting(trainer, count_items=count_items))
+    result = dataclasses.replace(result, budget_bytes=budget_bytes, notes=notes)
+    _apply(trainer, result, world_size)
+    return result
+
+
+def _apply(trainer: Any, result: Plan, world_size: int) -> None:
+    """The plan's checkpointing on the model, its micro-batch and steps on the Trainer's arguments."""
     result.checkpoint(trainer.model)
     trainer.args.per_device_train_batch_size = result.micro_batch_size
     trainer.args.gradient_accumulation_steps = result.steps
@@ -161,4 +197,3 @@ def fit_trainer(
         result.batch_size,
         len(result.checkpointed_blocks),
     )
-    return result

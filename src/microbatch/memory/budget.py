@@ -92,6 +92,9 @@ BYTES_RULE = (
 )
 
 
+MAX_BYTES = 1 << 62  # 4 EiB: more than any device's memory; a larger size is a typo
+
+
 def parse_bytes(
     size: str | int | float, *, device: torch.device | str | None = None, name: str = "memory"
 ) -> int:
@@ -134,6 +137,11 @@ def parse_bytes(
         value = size
     else:
         raise ConfigError(f"{name} must be {BYTES_RULE}; got {type(size).__name__}")
+    if not math.isfinite(value) or value > MAX_BYTES:  # 1e400GiB: inf, which int() cannot take
+        raise ConfigError(
+            f"{name}={size!r} is more than any machine has (at most {MAX_BYTES:,} bytes, 4 EiB); "
+            f"write {BYTES_RULE}"
+        )
     if value < 1:
         raise ConfigError(f"{name} must be at least one byte, got {size!r}; write {BYTES_RULE}")
     return int(value)

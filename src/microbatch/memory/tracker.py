@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -126,6 +127,7 @@ class MemoryTracker:
         self._seq = 0
         self._peak_seq = 0
         self._step_start_seq: int | None = None
+        self._thread: int | None = None  # the thread that entered the block (optimizer hooks are global)
         self._hooked_parameters: set[int] = set()
         # Set once a DTensor is seen (FSDP2): FSDP2 frees and refills its unsharded parameters'
         # storages with UntypedStorage.resize_, which no aten op shows, so before a new peak is taken
@@ -175,6 +177,7 @@ class MemoryTracker:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         stack = contextlib.ExitStack()
+        self._thread = threading.get_ident()
         try:
             self._register_model_and_optimizer()
             self._update_peak()
@@ -347,9 +350,12 @@ class MemoryTracker:
         return tensor
 
     def _before_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        self._step_start_seq = self._seq
+        if threading.get_ident() == self._thread:  # torch's step hooks are global: every thread's
+            self._step_start_seq = self._seq
 
     def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if threading.get_ident() != self._thread:  # another thread's optimizer is not this block's
+            return
         peak_in_step = self._step_start_seq is not None and self._peak_seq > self._step_start_seq
         for entry in self._register_optimizer_state(optimizer):
             if entry.category == "optimizer state":

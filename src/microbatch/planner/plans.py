@@ -26,6 +26,7 @@ from ..trees.batches import split_batch
 from ..trees.modules import unwrap_compiled
 from . import applying
 from .applying import inner_model
+from .plan_checks import check_plan_data, read_plan_file
 
 NONE = "none"
 # print(plan) shows this many frontier rows around the chosen one; to_dict() holds them all.
@@ -159,8 +160,7 @@ class Plan:
         (accumulate_dtype, scaler, the FSDP sync mode) must be those the plan was made with
         (planner/applying.py) and default to them. Feed it micro-batches of ``micro_batch_sizes``
         (``plan.split(batch)`` cuts a rank's batch): it warns once when a full window holds another
-        number of samples than the plan's per-rank batch. ``plan.remove(model)`` undoes the
-        checkpointing and closes that Accumulator;
+        number of samples than the plan's per-rank batch. ``plan.remove(model)`` undoes both;
         applying a plan to a model that already has one applied raises ConfigError (remove it first).
         """
         options = dict(accumulator_options)
@@ -243,7 +243,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
-        """The plan ``to_dict`` wrote; ConfigError naming what is missing or malformed."""
+        """The plan ``to_dict`` wrote; ConfigError naming the field that is missing or wrong (plan_checks)."""
+        check_plan_data(data)
         try:
             values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
             values["micro_batch_sizes"] = tuple(int(size) for size in data["micro_batch_sizes"])
@@ -282,18 +283,24 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
-        """The plan saved at ``path``; ConfigError naming the file when it is missing or not a plan."""
+        """The plan saved at ``path``; ConfigError naming the file and the field when it is not a plan.
+
+        The file is read within bounds (plan_checks.read_plan_file: a regular file, at most
+        MAX_PLAN_BYTES, never waiting on a FIFO) and checked field by field before it is used.
+        """
         try:
-            with open(path) as file:
-                data = json.load(file)
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"plan {os.fspath(path)!r} cannot be read: {error}") from error
-        if not isinstance(data, dict):
-            raise ConfigError(f"plan {os.fspath(path)!r} is not a microbatch plan (a JSON object)")
-        try:
+            text = read_plan_file(os.fspath(path)).decode("utf-8")
+            data = json.loads(text)
             return cls.from_dict(data)
-        except ConfigError as error:
-            raise ConfigError(f"plan {os.fspath(path)!r}: {error}") from error
+        except (UnicodeDecodeError, ValueError, RecursionError) as error:
+            if isinstance(error, ConfigError):
+                raise ConfigError(f"plan {os.fspath(path)!r} {error}") from error
+            what = (
+                "nested too deeply"
+                if isinstance(error, RecursionError)
+                else f"{type(error).__name__}: {error}"
+            )
+            raise ConfigError(f"plan {os.fspath(path)!r} is not JSON ({what})") from error
 
     @classmethod
     def manual(

@@ -8,6 +8,13 @@ changes is saved first, off the model's device:
 - a model in host memory: in a temporary file, read back one tensor at a time, so host memory
   holds at most one tensor beyond the model while restoring.
 
+The temporary file is ``microbatch-stash-PID-*.pt`` in TMPDIR; it is removed on every exit path
+Python sees (an exception, SIGINT, and SIGTERM / SIGHUP, which end the process through
+SystemExit while it exists when they had their default action), and a file left by a process
+that was killed outright (SIGKILL, a power cut) is removed by the next stash made on the machine,
+once its PID is no longer running. A TMPDIR without room for the copy is an OSError (ENOSPC)
+saying so before anything is written.
+
 Saved: trainable parameters, all buffers, the ``.grad`` of every parameter (the tensors
 themselves, which nothing here writes in place), the train/eval mode of every module, an
 optimizer's state (tensors saved like parameters, other entries copied), and the RNG of the CPU
@@ -19,13 +26,87 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
+import glob
+import logging
 import os
+import re
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
+
+STASH_PREFIX = "microbatch-stash-"
+_STASH_NAME = re.compile(rf"^{STASH_PREFIX}(\d+)-[^/]*\.pt$")
+# Signals that end a process by default and are sent to end it politely (a terminal closing, kill).
+_POLITE_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
+def remove_stale_stashes(directory: str | None = None) -> list[str]:
+    """Remove stash files in ``directory`` (TMPDIR) whose process is gone; the paths removed."""
+    removed = []
+    for path in glob.glob(os.path.join(directory or tempfile.gettempdir(), f"{STASH_PREFIX}*.pt")):
+        match = _STASH_NAME.match(os.path.basename(path))
+        if match and int(match.group(1)) != os.getpid() and not _process_alive(int(match.group(1))):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(path)
+    if removed:
+        logger.info("removed %d planner stash file(s) left by killed processes in TMPDIR", len(removed))
+    return removed
+
+
+def _check_room(directory: str, needed_bytes: int) -> None:
+    try:
+        info = os.statvfs(directory)
+    except OSError:  # cannot tell: the write itself reports a full disk
+        return
+    free_bytes = info.f_bavail * info.f_frsize
+    if free_bytes < needed_bytes:
+        raise OSError(
+            errno.ENOSPC,
+            f"the temporary folder has {free_bytes:,} bytes free, the planner's copy of the model's "
+            f"host tensors needs {needed_bytes:,}; free space there or set TMPDIR to a folder with room",
+            directory,
+        )
+
+
+@contextlib.contextmanager
+def _polite_signals_exit() -> Iterator[None]:
+    """SIGTERM / SIGHUP raise SystemExit(128 + signal) inside the block (when they had their default
+    action), so ``finally`` clauses run and the stash file is removed; restored afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def leave(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {}
+    for signum in _POLITE_SIGNALS:
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            previous[signum] = signal.signal(signum, leave)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _changeable_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
@@ -45,10 +126,24 @@ class _Saved:
         self._path: str | None = None
         self._copies: list[torch.Tensor] = []
         if self._in_file:
-            handle, self._path = tempfile.mkstemp(prefix="microbatch-stash-", suffix=".pt")
+            remove_stale_stashes()
+            directory = tempfile.gettempdir()
+            _check_room(directory, sum(t.untyped_storage().nbytes() for t in tensors) + (1 << 20))
+            handle, self._path = tempfile.mkstemp(prefix=f"{STASH_PREFIX}{os.getpid()}-", suffix=".pt")
             os.close(handle)
-            # torch.save writes each storage's bytes; nothing is duplicated in host memory.
-            torch.save([t.detach() for t in tensors], self._path)
+            try:
+                # torch.save writes each storage's bytes; nothing is duplicated in host memory.
+                torch.save([t.detach() for t in tensors], self._path)
+            except BaseException as error:
+                self.close()
+                if isinstance(error, RuntimeError):  # torch.save hides the OSError (a full disk)
+                    raise OSError(
+                        errno.EIO,
+                        f"cannot write the planner's temporary copy of the model ({error}); check that the "
+                        "temporary folder has room, or set TMPDIR to one that does",
+                        directory,
+                    ) from error
+                raise
         else:
             self._copies = [t.detach().to("cpu", copy=True) for t in tensors]
 
@@ -109,17 +204,18 @@ def preserved(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = Non
     entries = _optimizer_entries(optimizer)
     every = [*model.parameters(), *model.buffers()]
     devices = sorted({d.index or 0 for d in {t.device for t in every} if d.type == "cuda"})
-    saved = _Saved(tensors)
-    try:
-        with torch.random.fork_rng(devices=devices):
-            try:
-                yield
-            finally:
-                saved.restore(tensors)
-                for parameter, grad in grads:
-                    parameter.grad = grad
-                for module, training in modes:
-                    module.training = training
-                _restore_optimizer(optimizer, entries)
-    finally:
-        saved.close()
+    with _polite_signals_exit():
+        saved = _Saved(tensors)
+        try:
+            with torch.random.fork_rng(devices=devices):
+                try:
+                    yield
+                finally:
+                    saved.restore(tensors)
+                    for parameter, grad in grads:
+                        parameter.grad = grad
+                    for module, training in modes:
+                        module.training = training
+                    _restore_optimizer(optimizer, entries)
+        finally:
+            saved.close()

@@ -18,8 +18,9 @@ the run folder:
 Checkpoints are written at window boundaries only, atomically (temporary file, fsync, rename);
 temporaries left by killed writes are removed when a run starts or resumes. Everything the next
 window depends on is in them, so resuming at step N and training to 2N gives the same metrics
-and parameters as one run of 2N steps (bitwise on CPU). SIGINT and SIGTERM finish the window in
-progress, save and return a summary marked ``interrupted`` (signals.py). A training-time
+and parameters as one run of 2N steps (bitwise on CPU). SIGINT, SIGTERM, SIGHUP, SIGUSR1/2 and
+SIGXCPU finish the window in progress, save and return a summary marked ``interrupted``
+(signals.py). Rank 0 holds the run folder's lock for the whole run (ownership.py). A training-time
 out-of-memory error re-plans and runs the window again (loop.py). Under torchrun every rank trains
 on its own data stream, rank 0 alone plans, writes files and reports progress.
 
@@ -29,7 +30,8 @@ on its own data stream, rank 0 alone plans, writes files and reports progress.
     ranks.py       rank 0 decides, every rank gets the result
     session.py     the live objects, the plan applied, checkpoint save / restore
     loop.py        the windows: evaluation, checkpoints, OOM recovery, skipped-step guard
-    signals.py     SIGINT / SIGTERM: stop at a window boundary
+    signals.py     SIGINT / SIGTERM / SIGHUP / ...: stop at a window boundary
+    ownership.py   the run folder's marker and lock, folder names that never collide
     report.py      StepReport, TrainSummary
     run_folder.py  atomic writes, checkpoint files, metrics, loss.png
     pipeline.py    train(): the steps above in order

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -14,7 +15,7 @@ from .. import distributed
 from ..accumulate import schedules
 from ..errors import ConfigError, WorkloadError
 from ..models.corpus import DEFAULT_MAX_BYTES
-from ..models.gpt import GPT_SIZES
+from ..models.gpt import GPT_SIZES, gpt_config
 from .tokens import parse_max_tokens
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ class TrainConfig:
     plan: str | None = None
     trial: bool = True
     max_skipped_windows: int = DEFAULT_MAX_SKIPPED_WINDOWS
+    pipeline: int = 1  # pipeline stages (training/pipelined.py); world size = replicas x pipeline
+    pipeline_schedule: str = "1f1b"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,6 +114,32 @@ def _check_finite(config: TrainConfig) -> None:
         raise ConfigError(f"max_grad_norm must be positive or None, got {config.max_grad_norm}")
 
 
+def _host_memory_bytes() -> int | None:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # not POSIX
+        return None
+
+
+def _check_window_fits_host(config: TrainConfig) -> None:
+    """Refuse at once a batch whose window of token ids cannot exist in this machine's memory.
+
+    A window is drawn whole on the host (loop._window_batches): per-rank batch x block_size x
+    2 int64 tensors (inputs, labels) = 16 bytes per token. A batch past that would be refused by the
+    planner only after profiling (minutes), or fail allocating.
+    """
+    host_bytes = _host_memory_bytes()
+    bytes_per_sequence = 16 * gpt_config(config.model).block_size
+    world = max(1, distributed.world_size())
+    if host_bytes is not None and config.batch // world * bytes_per_sequence > host_bytes:
+        fits = host_bytes // bytes_per_sequence * world
+        raise ConfigError(
+            f"--batch {config.batch}: one window's token ids alone would take "
+            f"{config.batch // world * bytes_per_sequence:,} bytes, more than this machine's "
+            f"{host_bytes:,} bytes of memory; at most --batch {fits:,} fits"
+        )
+
+
 def validate_config(config: TrainConfig) -> None:
     """Raise ConfigError / WorkloadError naming the flag for any setting a run cannot use."""
     _check_finite(config)
@@ -124,13 +153,58 @@ def validate_config(config: TrainConfig) -> None:
     for ok, message in _flag_checks(config):
         if not ok:
             raise ConfigError(message)
+    _check_window_fits_host(config)
     parse_max_tokens(config.max_tokens)
     world = distributed.world_size()
+    if config.pipeline > 1:
+        _check_pipeline(config, world)
+        world //= config.pipeline  # the data-parallel replicas share the batch
     if config.batch % world:
         raise ConfigError(
             f"--batch {config.batch} must be a multiple of the number of processes ({world}); "
             f"use --batch {config.batch - config.batch % world or world}"
         )
+
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def _check_pipeline(config: TrainConfig, world: int) -> None:
+    """--pipeline S: what the pipelined run (training/pipelined.py) does not do yet is refused."""
+    stages = config.pipeline
+    checks = [
+        (
+            world % stages == 0,
+            f"--pipeline {stages} needs a multiple of {stages} processes, got {world}; launch with "
+            f"`torchrun --nproc-per-node {stages}` (or {2 * stages} for 2 data-parallel replicas)",
+        ),
+        (
+            config.pipeline_schedule in PIPELINE_SCHEDULES,
+            f"--pipeline-schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
+            f"got {config.pipeline_schedule!r}",
+        ),
+        (
+            config.precision == "fp32",
+            f"--pipeline runs in fp32 for now, got --precision {config.precision}: the stage buffers are "
+            "traced in fp32 and one GradScaler over all stages is not built",
+        ),
+        (
+            config.memory is None and config.plan is None,
+            "--pipeline does not plan yet: --memory and --plan are not used; give --micro-batch "
+            "(or leave it out for batch / replicas / (2 x stages))",
+        ),
+        (
+            config.checkpoint_policy in ("auto", "none"),
+            "--pipeline runs without activation checkpointing for now; use --checkpoint-policy none",
+        ),
+        (
+            config.nominal_batch is None,
+            "--nominal-batch ramps accumulation up over the warmup; --pipeline keeps whole windows, drop it",
+        ),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
 
 
 def _flag_checks(config: TrainConfig) -> list[tuple[bool, str]]:
@@ -181,6 +255,10 @@ def _flag_checks(config: TrainConfig) -> list[tuple[bool, str]]:
             f"--checkpoint-interval must be >= 1, got {config.checkpoint_interval}",
         ),
         (config.eval_batches >= 1, f"eval_batches must be >= 1, got {config.eval_batches}"),
+        (
+            isinstance(config.pipeline, int) and config.pipeline >= 1,
+            f"--pipeline must be a positive number of stages, got {config.pipeline!r}",
+        ),
     ]
 
 

@@ -34,10 +34,11 @@ from ..memory import MemoryTracker
 from ..memory.oom import free_memory, is_out_of_memory
 from ..models.workloads import gpt_loss
 from ..trees.batches import batch_size_of, move_batch, split_batch
+from . import pipelined
 from .plan import plan_without, planning_workload
 from .ranks import on_rank_zero
 from .report import StepReport
-from .run_folder import METRICS_FILE
+from .run_folder import METRICS_FILE, append_line
 from .session import Session, accumulator, release_plan, save, storage_error, use_plan
 from .signals import StopFlag
 from .tokens import split_window
@@ -121,6 +122,8 @@ def evaluate(session: Session) -> float:
     is kept for later evaluations (``session.eval_rows``). Out of memory at one sequence stops the
     run with a TrainingError after the caller saves.
     """
+    if session.pipeline is not None:  # the stages' weights into raw_model (a collective)
+        pipelined.gather_model_(session.pipeline, session.raw_model)
     session.raw_model.eval()
     try:
         while True:
@@ -259,6 +262,8 @@ def _recover(session: Session, start: dict[str, Any]) -> None:
 
 def _train_window(session: Session, peak: PeakMemory) -> tuple[WindowStats, float]:
     """One optimizer step, run again after re-planning when it runs out of memory (single process)."""
+    if session.pipeline is not None:  # --pipeline S: its own branch (no re-planning yet)
+        return pipelined.train_window(session, peak)
     while True:
         started = time.perf_counter()
         start = _window_start(session)
@@ -332,8 +337,7 @@ def _append_metrics(session: Session, record: dict[str, Any]) -> None:
     if distributed.is_rank_zero():
         path = os.path.join(session.run_dir, METRICS_FILE)
         try:
-            with open(path, "a") as file:
-                file.write(json.dumps(record) + "\n")
+            append_line(path, json.dumps(record) + "\n")
         except OSError as error:
             raise storage_error(path, session.step, error) from error
 

@@ -19,6 +19,7 @@ import torch
 
 from .. import distributed
 from ..models.corpus import load_corpus
+from . import pipelined
 from .config import TrainConfig, validate_config
 from .loop import Outcome, run_windows
 from .plan import plan_for_run, planning_workload, resolve_device
@@ -33,7 +34,6 @@ from .run_folder import (
     SUMMARY_FILE,
     atomic_write,
     plot_losses,
-    prepare_run_dir,
     write_json,
 )
 from .session import Session, build_model, build_session, restore, storage_error
@@ -59,14 +59,32 @@ def train(config: TrainConfig, *, progress: Callable[[StepReport], None] | None 
         if device.type == "cuda":
             torch.cuda.set_device(device)
         start = open_run(config)
-        session = _start_session(config, start, device)
         try:
-            outcome = run_windows(session, progress=progress)
+            return _train_in(config, start, device, progress)
         finally:
-            if session.checkpoint_handle is not None:  # the caller's model is plain again
-                session.checkpoint_handle.remove()
-                session.checkpoint_handle = None
-        return finish(session, outcome)
+            if start.claim is not None:  # the folder's lock, held since open_run (rank 0)
+                start.claim.release()
+
+
+def _train_in(
+    config: TrainConfig,
+    start: RunStart,
+    device: torch.device,
+    progress: Callable[[StepReport], None] | None,
+) -> TrainSummary:
+    try:
+        session = _start_session(config, start, device)
+    except BaseException:
+        if start.claim is not None and start.state is None:  # a new run that cannot start leaves nothing
+            start.claim.abandon()
+        raise
+    try:
+        outcome = run_windows(session, progress=progress)
+    finally:
+        if session.checkpoint_handle is not None:  # the caller's model is plain again
+            session.checkpoint_handle.remove()
+            session.checkpoint_handle = None
+    return finish(session, outcome)
 
 
 def _start_session(config: TrainConfig, start: RunStart, device: torch.device) -> Session:
@@ -74,12 +92,13 @@ def _start_session(config: TrainConfig, start: RunStart, device: torch.device) -
     raw_model = build_model(config, device)
     documents = load_corpus(max_bytes=config.corpus_bytes).train
     workload = planning_workload(config, raw_model, documents, device)
-    plan = on_rank_zero(
-        lambda: plan_for_run(config, workload, saved=start.saved_plan, saved_config=start.saved_config)
-    )
+    if config.pipeline > 1:  # the same split on every rank, nothing profiled (pipelined.py)
+        plan = pipelined.pipeline_plan(config, raw_model, device)
+    else:
+        plan = on_rank_zero(
+            lambda: plan_for_run(config, workload, saved=start.saved_plan, saved_config=start.saved_config)
+        )
     raw_model.zero_grad(set_to_none=True)
-    if start.state is None:
-        on_rank_zero(lambda: prepare_run_dir(start.run_dir))
     session = build_session(config, run_dir=start.run_dir, device=device, raw_model=raw_model, plan=plan)
     if start.state is not None:
         restore(session, start.state)

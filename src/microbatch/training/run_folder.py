@@ -6,7 +6,6 @@ import contextlib
 import json
 import logging
 import os
-import tempfile
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
@@ -16,6 +15,7 @@ import torch
 
 from ..errors import ConfigError, ResumeError
 from .config import TrainConfig
+from .ownership import MARKER_FILE, foreign_files, is_run_temporary, open_no_follow
 
 logger = logging.getLogger(__name__)
 
@@ -94,13 +94,14 @@ def atomic_write(path: str, write: Callable[[Any], None], *, binary: bool = True
 def remove_stale_temporaries(run_dir: str) -> list[str]:
     """Delete the temporary files of writes that were killed before their rename (``.NAME.*.tmp``).
 
-    Called when a run starts or resumes, before it writes anything: no write of this run is in
-    flight then, and each such file may hold a whole model. Returns the names removed.
+    Called when a run starts or resumes, holding the folder's lock (ownership.py), before it writes
+    anything: no write of any run is in flight then, and each such file may hold a whole model.
+    Returns the names removed.
     """
     removed = []
     if os.path.isdir(run_dir):
         for name in sorted(os.listdir(run_dir)):
-            if name.startswith(".") and name.endswith(".tmp"):
+            if is_run_temporary(name):  # only ours: a user's own .tmp files are not touched
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(run_dir, name))
                     removed.append(name)
@@ -128,19 +129,6 @@ def check_writable(path: str) -> None:
         )
 
 
-def prepare_run_dir(path: str) -> None:
-    """Create the run folder and prove it is writable, or raise ConfigError naming --out."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as error:
-        raise ConfigError(
-            f"--out {path!r}: cannot write the run folder there ({error.strerror or error}); "
-            "choose a folder you can write to"
-        ) from error
-
-
 def load_checkpoint(path: str) -> dict[str, Any]:
     """A training checkpoint's contents, or ResumeError saying what is wrong with the file."""
     if not os.path.isfile(path):
@@ -162,7 +150,34 @@ def load_checkpoint(path: str) -> dict[str, Any]:
             f"--resume: {path!r} has checkpoint version {state.get('version')!r}, this microbatch reads "
             f"version {CHECKPOINT_VERSION}; nothing was changed"
         )
+    _check_checkpoint_fields(state, path)
     return state
+
+
+_CHECKPOINT_DICTS = ("config", "model_config", "plan", "model", "optimizer", "scheduler", "accumulator")
+
+
+def _check_checkpoint_fields(state: dict[str, Any], path: str) -> None:
+    """The checkpoint's fields have the types a resume reads (the values are checked where loaded)."""
+    problem = None
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        problem = f"step {step!r} is not a non-negative integer"
+    for name in _CHECKPOINT_DICTS:
+        if problem is None and not isinstance(state.get(name), dict):
+            problem = f"{name} is {type(state.get(name)).__name__}, not a dict"
+    ranks = state.get("ranks")
+    if problem is None and (
+        not isinstance(ranks, list)
+        or not ranks
+        or not all(isinstance(rank, dict) and {"data", "rng"} <= rank.keys() for rank in ranks)
+    ):
+        problem = "ranks is not a list of per-rank data and random states"
+    if problem is not None:
+        raise ResumeError(
+            f"--resume: the checkpoint {path!r} is damaged: {problem}; nothing was changed; "
+            "start a new run with a different --out"
+        )
 
 
 def resume_config(run_dir: str, **changes: Any) -> TrainConfig:
@@ -172,29 +187,102 @@ def resume_config(run_dir: str, **changes: Any) -> TrainConfig:
     return replace(saved, out=run_dir, resume=True, **changes)
 
 
+def _looks_like_run(folder: str) -> bool:
+    """A checkpoint and the marker (or, for a folder made before markers, only a run's own files)."""
+    with contextlib.suppress(OSError):
+        names = os.listdir(folder)
+        return CHECKPOINT_FILE in names and (MARKER_FILE in names or not foreign_files(names, run_files=True))
+    return False
+
+
 def latest_run_dir(root: str = "runs") -> str:
-    """The most recently modified folder under ``root`` that holds a checkpoint."""
+    """The most recently modified run folder (ownership.py's marker) under ``root`` with a checkpoint."""
     candidates = []
     if os.path.isdir(root):
         for name in os.listdir(root):
             path = os.path.join(root, name, CHECKPOINT_FILE)
-            if os.path.isfile(path):
+            if os.path.isfile(path) and _looks_like_run(os.path.join(root, name)):
                 candidates.append((os.path.getmtime(path), os.path.join(root, name)))
     if not candidates:
         raise ResumeError(f"--resume: no run with a checkpoint under {root!r}; pass --out runs/NAME")
     return max(candidates)[1]
 
 
+# The fields of a metrics line that resuming reads back (loop.py's _record writes them all).
+_METRICS_NUMBERS = ("loss", "items", "peak_bytes", "seconds")
+MAX_METRICS_LINE_BYTES = 1 << 20
+
+
+def append_line(path: str, line: str) -> None:
+    """Append ``line`` to the run's file at ``path``; never through a symbolic link (OSError ELOOP)."""
+    descriptor = open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(line)
+
+
+def _metrics_record(raw: bytes, where: str) -> dict[str, Any]:
+    """One metrics line parsed and checked; ResumeError naming the line and what is wrong."""
+    try:
+        record = json.loads(raw.decode("utf-8")) if len(raw) <= MAX_METRICS_LINE_BYTES else None
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise ResumeError(f"{where} is not a JSON line ({type(error).__name__})") from error
+    if not isinstance(record, dict):
+        raise ResumeError(f"{where} is not a metrics record (a JSON object of at most 1 MiB)")
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ResumeError(f"{where}: step {step!r} is not a positive integer")
+    for name in _METRICS_NUMBERS:
+        value = record.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ResumeError(f"{where}: {name} {value!r} is not a number")
+    if not isinstance(record.get("skipped"), bool):
+        raise ResumeError(f"{where}: skipped {record.get('skipped')!r} is not true or false")
+    return record
+
+
 def read_metrics(path: str, *, up_to_step: int) -> list[dict[str, Any]]:
-    lines: list[dict[str, Any]] = []
-    if os.path.isfile(path):
-        with open(path) as file:
-            for line in file:
-                with contextlib.suppress(json.JSONDecodeError):
-                    record = json.loads(line)
-                    if isinstance(record, dict) and int(record.get("step", 0)) <= up_to_step:
-                        lines.append(record)
-    return lines
+    """metrics.jsonl's records of steps 1 to ``up_to_step`` (the checkpoint's), checked against it.
+
+    The checkpoint at step N is written after the line of step N, so the file holds one line per
+    step 1..N in order, then perhaps lines of steps the checkpoint does not cover (they are dropped:
+    those steps run again) and perhaps a last line cut short by a kill (dropped too). Anything else
+    (a line missing, duplicated, out of order or malformed; the file missing) is a ResumeError
+    naming the line: the run's history and its checkpoint disagree.
+    """
+    if up_to_step == 0 and not os.path.lexists(path):
+        return []
+    try:
+        descriptor = open_no_follow(path, os.O_RDONLY)
+        with os.fdopen(descriptor, "rb") as file:
+            raw_lines = file.read().split(b"\n")
+    except OSError as error:
+        raise _metrics_mismatch(path, up_to_step, f"it cannot be read ({error.strerror or error})") from error
+    last_cut_short = raw_lines[-1] != b""  # a kill during the append leaves a line with no newline
+    records: list[dict[str, Any]] = []
+    for number, raw in enumerate(raw_lines[:-1] if not last_cut_short else raw_lines, start=1):
+        try:
+            record = _metrics_record(raw, f"line {number}")
+        except ResumeError as error:
+            if last_cut_short and number == len(raw_lines):
+                break
+            raise _metrics_mismatch(path, up_to_step, str(error)) from error
+        if record["step"] > up_to_step:
+            continue
+        if record["step"] != len(records) + 1:
+            raise _metrics_mismatch(
+                path, up_to_step, f"line {number} is step {record['step']}, step {len(records) + 1} expected"
+            )
+        records.append(record)
+    if len(records) != up_to_step:
+        raise _metrics_mismatch(path, up_to_step, f"it holds steps 1 to {len(records)} only")
+    return records
+
+
+def _metrics_mismatch(path: str, up_to_step: int, what: str) -> ResumeError:
+    return ResumeError(
+        f"--resume: {path!r} does not match the checkpoint, which covers steps 1 to {up_to_step}: {what}. "
+        "Restore the file (one line per step), or start a new run with another --out; nothing was changed"
+    )
 
 
 def plot_losses(path: str, metrics: list[dict[str, Any]]) -> None:

@@ -22,6 +22,7 @@ from ..models.corpus import ByteBatches, load_corpus
 from ..models.gpt import GPT, GPTConfig, gpt_config
 from ..models.workloads import build_seeded, gpt_optimizer
 from ..planner import Plan
+from . import pipelined
 from .config import PRECISIONS, TrainConfig, accumulation_schedule, lr_factor, scaled_hyperparameters
 from .run_folder import (
     CHECKPOINT_FILE,
@@ -59,6 +60,7 @@ class Session:
     documents: tuple[bytes, ...] = ()  # the training documents (the planner draws its own batches)
     token_steps: TokenSteps | None = None  # set when micro-batches are split by tokens (training/tokens.py)
     eval_rows: int | None = None  # validation sequences per forward after an evaluation OOM (loop.py)
+    pipeline: Any = None  # a distributed.Pipeline under --pipeline S (pipelined.py); then no Accumulator
 
 
 def build_model(config: TrainConfig, device: torch.device) -> GPT:
@@ -83,16 +85,19 @@ def build_session(
     corpus = load_corpus(max_bytes=config.corpus_bytes)
     block_size = raw_model.config.block_size
     # Each rank reads its own stream; rank r's seed is derived from the run's seed.
-    train_data = ByteBatches(
-        corpus.train, block_size=block_size, seed=config.seed * 1000 + distributed.rank()
-    )
+    seed = pipelined.data_seed(config) if config.pipeline > 1 else config.seed * 1000 + distributed.rank()
+    train_data = ByteBatches(corpus.train, block_size=block_size, seed=seed)
     model: nn.Module = raw_model
-    if distributed.world_size() > 1:
+    lr, weight_decay = scaled_hyperparameters(config)
+    pipe = pipelined.build_pipeline(config, raw_model, plan, device) if config.pipeline > 1 else None
+    if pipe is None and distributed.world_size() > 1:
         model = nn.parallel.DistributedDataParallel(
             raw_model, device_ids=[device.index] if device.type == "cuda" else None
         )
-    lr, weight_decay = scaled_hyperparameters(config)
-    optimizer = gpt_optimizer(raw_model, lr=lr, weight_decay=weight_decay)
+    if pipe is not None:
+        optimizer = pipelined.pipeline_optimizer(pipe, lr=lr, weight_decay=weight_decay)
+    else:
+        optimizer = gpt_optimizer(raw_model, lr=lr, weight_decay=weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: lr_factor(step, warmup_steps=config.warmup_steps, decay_steps=config.lr_decay_steps),
@@ -111,8 +116,10 @@ def build_session(
         validation=_validation_batches(config, block_size, plan.micro_batch_size),
         autocast_dtype=PRECISIONS[config.precision],
         documents=corpus.train,
+        pipeline=pipe,
     )
-    use_plan(session, plan)
+    if pipe is None:
+        use_plan(session, plan)
     return session
 
 
@@ -167,12 +174,14 @@ def checkpoint_state(session: Session) -> dict[str, Any]:
     rng = {"torch": torch.get_rng_state()}
     if session.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(session.device)
-    rank_states: list[Any] = [{"data": session.train_data.state_dict(), "rng": rng}]
+    mine: dict[str, Any] = {"data": session.train_data.state_dict(), "rng": rng}
+    if session.pipeline is not None:  # the stages' weights into raw_model; each rank's optimizer
+        pipelined.gather_model_(session.pipeline, session.raw_model)
+        mine["optimizer"] = session.optimizer.state_dict()
+    rank_states: list[Any] = [mine]
     if distributed.world_size() > 1:
         rank_states = [None] * distributed.world_size()
-        torch.distributed.all_gather_object(
-            rank_states, {"data": session.train_data.state_dict(), "rng": rng}
-        )
+        torch.distributed.all_gather_object(rank_states, mine)
     return {
         "format": CHECKPOINT_FORMAT,
         "version": CHECKPOINT_VERSION,
@@ -184,7 +193,7 @@ def checkpoint_state(session: Session) -> dict[str, Any]:
         "optimizer": session.optimizer.state_dict(),
         "scheduler": session.scheduler.state_dict(),
         "scaler": session.scaler.state_dict() if session.scaler is not None else None,
-        "accumulator": accumulator(session).state_dict(),
+        "accumulator": accumulator(session).state_dict() if session.pipeline is None else None,
         "replans": session.replans,  # so summary.json counts the whole run's re-plans after a resume
         "ranks": rank_states,
     }
@@ -195,12 +204,16 @@ def restore(session: Session, state: dict[str, Any]) -> None:
     path = os.path.join(session.run_dir, CHECKPOINT_FILE)
     try:
         session.raw_model.load_state_dict(state["model"])
-        session.optimizer.load_state_dict(state["optimizer"])
+        rank_state = state["ranks"][distributed.rank()]
+        if session.pipeline is not None:
+            pipelined.scatter_model_(session.pipeline, session.raw_model)
+            session.optimizer.load_state_dict(rank_state["optimizer"])
+        else:
+            session.optimizer.load_state_dict(state["optimizer"])
+            accumulator(session).load_state_dict(state["accumulator"])
         session.scheduler.load_state_dict(state["scheduler"])
         if session.scaler is not None and state["scaler"] is not None:
             session.scaler.load_state_dict(state["scaler"])
-        accumulator(session).load_state_dict(state["accumulator"])
-        rank_state = state["ranks"][distributed.rank()]
         session.train_data.load_state_dict(rank_state["data"])
         torch.set_rng_state(rank_state["rng"]["torch"])
         if session.device.type == "cuda" and "cuda" in rank_state["rng"]:
@@ -245,6 +258,9 @@ def storage_error(path: str, step: int, error: OSError) -> TrainingError:
         reason, fix = "the disk is full", "free space (or choose another --out)"
     elif error.errno == errno.EDQUOT:
         reason, fix = "the disk quota is exhausted", "free space in your quota (or choose another --out)"
+    elif error.errno in (errno.ELOOP, errno.EINVAL):  # ownership.open_no_follow's refusals
+        reason = "it is now a symbolic link or not a file; microbatch writes only the run's own files"
+        fix = "put the run's own file back (or choose another --out)"
     elif error.errno == errno.EFBIG:
         reason = "the file is larger than this process's file-size limit allows (EFBIG)"
         fix = "raise the limit (ulimit -f unlimited, or your scheduler's file-size limit)"

@@ -1,8 +1,16 @@
-"""Stopping a run on a signal without losing work: SIGINT (Ctrl-C) and SIGTERM (schedulers).
+"""Stopping a run on a signal without losing work: the signals a user's session or scheduler sends.
 
-The first SIGINT or SIGTERM asks the loop to stop at the next window boundary: the window in
-progress finishes, the checkpoint is saved, summary.json is written and the resume command is
-printed; the command then exits 128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as
+Handled alike (``STOP_SIGNALS``): SIGINT (Ctrl-C), SIGTERM (kill, schedulers, torchrun), SIGHUP
+(the terminal or SSH session closed), SIGUSR1 and SIGUSR2 (Slurm's ``--signal`` sends SIGUSR1 by
+default before a time limit; SGE sends SIGUSR1 / SIGUSR2 before a kill), and SIGXCPU (a soft CPU
+time limit: ulimit -t, Slurm and SGE CPU limits). All of these end the process by default, so
+catching them only turns a lost window into a saved one. A signal the process was started with
+ignored (``nohup`` ignores SIGHUP) stays ignored. Not caught: SIGKILL and SIGSTOP (they cannot
+be), SIGQUIT (asks for a core dump), SIGPIPE (a closed pipe), SIGALRM (a program's own timer).
+
+The first stop signal asks the loop to stop at the next window boundary: the window in progress
+finishes, the checkpoint is saved, summary.json is written and the resume command is printed; the
+command then exits 128 + the signal's number (130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP), as
 a process killed by it would. A second signal stops at once (KeyboardInterrupt / SystemExit):
 checkpoints are written to a temporary file and renamed, so the last complete one survives.
 Under torchrun every rank agrees on stopping at the same window (``agreed``).
@@ -21,7 +29,11 @@ from .. import distributed
 
 logger = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGXCPU")
+    if hasattr(signal, name)  # SIGHUP, SIGUSR1/2 and SIGXCPU are POSIX only
+)
 
 
 def exit_status(signal_name: str | None) -> int:
@@ -64,6 +76,8 @@ class StopFlag:
             yield self
             return
         for signum in STOP_SIGNALS:
+            if signal.getsignal(signum) is signal.SIG_IGN:
+                continue  # ignored on purpose (nohup): stays ignored
             self._previous[signum] = signal.signal(signum, self._handle)
         try:
             yield self

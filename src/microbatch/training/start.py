@@ -1,12 +1,12 @@
-"""Open the run folder: a new run's (checked, not created yet) or a resumed run's checkpoint.
+"""Open the run folder: claim a new run's folder, or a resumed run's folder and its checkpoint.
 
-Nothing here writes a file except the removal of temporary files left by killed writes; a run
-that fails to start leaves no folder behind.
+Rank 0 claims the folder (ownership.py: the marker, the lock held for the whole run) before any
+rank writes; the claim is in ``RunStart.claim`` and train() releases it at the end. A new run
+that fails to start is ``abandon``-ed: the folder it created is removed again.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 from dataclasses import dataclass, fields
@@ -16,12 +16,15 @@ from .. import distributed
 from ..errors import ConfigError, ResumeError
 from ..planner import Plan
 from .config import RESUMABLE_CHANGES, TrainConfig
+from .ownership import FolderClaim, claim_new_folder, claim_resumed_folder, default_run_dir
 from .ranks import on_rank_zero
 from .run_folder import (
     CHECKPOINT_FILE,
+    METRICS_FILE,
     check_writable,
     latest_run_dir,
     load_checkpoint,
+    read_metrics,
     remove_stale_temporaries,
 )
 
@@ -36,6 +39,7 @@ class RunStart:
     state: dict[str, Any] | None = None
     saved_config: TrainConfig | None = None
     saved_plan: Plan | None = None
+    claim: FolderClaim | None = None  # rank 0's hold on the folder (None on the other ranks)
 
     @property
     def saved_step(self) -> int:
@@ -44,11 +48,29 @@ class RunStart:
 
 def open_run(config: TrainConfig) -> RunStart:
     """The new run's folder (checked), or the resumed run's checkpoint (checked against ``config``)."""
+    claims: list[FolderClaim] = []  # rank 0's claim (on_rank_zero broadcasts the folder's name only)
     if not config.resume:
-        run_dir = on_rank_zero(lambda: _check_new_run(config))
-        return RunStart(run_dir=run_dir)
-    run_dir = on_rank_zero(lambda: config.out or latest_run_dir())
+        run_dir = on_rank_zero(lambda: _claim_new_run(config, claims))
+        return RunStart(run_dir=run_dir, claim=claims[0] if claims else None)
+    run_dir = on_rank_zero(lambda: _claim_resumed_run(config, claims))
     path = os.path.join(run_dir, CHECKPOINT_FILE)
+    try:
+        start = _resumed_start(config, run_dir, path, claims[0] if claims else None)
+    except BaseException:
+        for claim in claims:
+            claim.release()
+        raise
+    return start
+
+
+def _claim_resumed_run(config: TrainConfig, claims: list[FolderClaim]) -> str:
+    run_dir = config.out or latest_run_dir()
+    load_checkpoint(os.path.join(run_dir, CHECKPOINT_FILE))  # a microbatch checkpoint, by its contents
+    claims.append(claim_resumed_folder(run_dir, has_run_checkpoint=True))
+    return run_dir
+
+
+def _resumed_start(config: TrainConfig, run_dir: str, path: str, claim: FolderClaim | None) -> RunStart:
     state = load_checkpoint(path)
     try:
         saved_config = TrainConfig.from_dict(state["config"])
@@ -58,7 +80,11 @@ def open_run(config: TrainConfig) -> RunStart:
             f"--resume: {path!r} lacks a readable config or plan ({error}); nothing was changed"
         ) from error
     _check_resume_matches(config, saved_config, path)
-    start = RunStart(run_dir=run_dir, state=state, saved_config=saved_config, saved_plan=saved_plan)
+    if distributed.is_rank_zero():  # checked before planning: the history must match the checkpoint
+        read_metrics(os.path.join(run_dir, METRICS_FILE), up_to_step=int(state["step"]))
+    start = RunStart(
+        run_dir=run_dir, state=state, saved_config=saved_config, saved_plan=saved_plan, claim=claim
+    )
     if config.steps == start.saved_step:  # killed after its last checkpoint, before summary.json
         logger.info(
             "the run in %s has done all %d steps; writing its summary (pass --steps N to train further)",
@@ -71,31 +97,27 @@ def open_run(config: TrainConfig) -> RunStart:
             "optimizer steps; "
             f"pass --steps greater than {start.saved_step} to train it further"
         )
-    if saved_plan.world_size != distributed.world_size():
+    stages = max(1, config.pipeline)  # a pipelined run's plan counts data-parallel replicas
+    if saved_plan.world_size * stages != distributed.world_size():
         raise ResumeError(
-            f"--resume: the run was trained with {saved_plan.world_size} process(es), now "
-            f"{distributed.world_size()}; resume it with {saved_plan.world_size}"
+            f"--resume: the run was trained with {saved_plan.world_size * stages} process(es), now "
+            f"{distributed.world_size()}; resume it with {saved_plan.world_size * stages}"
         )
     if distributed.is_rank_zero():
         remove_stale_temporaries(run_dir)
     return start
 
 
-def _default_run_dir(config: TrainConfig) -> str:
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return os.path.join("runs", f"{config.model}-{stamp}")
-
-
-def _check_new_run(config: TrainConfig) -> str:
-    """The new run's folder, checked but not created yet (a run that fails to start leaves nothing)."""
-    run_dir = config.out or _default_run_dir(config)
-    if os.path.isfile(os.path.join(run_dir, CHECKPOINT_FILE)):
-        raise ConfigError(
-            f"--out {run_dir!r} already holds a run; continue it with --resume, or choose another --out"
-        )
-    check_writable(run_dir)
-    remove_stale_temporaries(run_dir)
-    return run_dir
+def _claim_new_run(config: TrainConfig, claims: list[FolderClaim]) -> str:
+    """The new run's folder, created (or checked empty), locked and marked; its stale temporaries gone."""
+    if config.out:
+        check_writable(config.out)
+        claim = claim_new_folder(config.out)
+    else:
+        claim = claim_new_folder(default_run_dir(config.model), created=True)
+    claims.append(claim)
+    remove_stale_temporaries(claim.run_dir)
+    return claim.run_dir
 
 
 def _check_resume_matches(config: TrainConfig, saved: TrainConfig, path: str) -> None:

@@ -1,0 +1,314 @@
+"""Exact pipeline-parallel windows on torch.distributed.pipelining.
+
+torch's schedules (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B) divide every
+micro-batch's gradient by the micro-batch count (``scale_grads=True``), which is the mean loss of the
+batch only when every micro-batch carries the same number of items; and they refuse micro-batches of
+different shapes (pytorch #126600). Here the schedules run with ``scale_grads=False`` and each
+micro-batch's loss is weighted by its share of the whole window:
+
+    loss_i' = mean_i * items_i / global_items,  global_items = sum over the window's micro-batches,
+    its pipeline steps and the data-parallel replicas,
+
+so the summed gradient is exactly the gradient of the mean loss over every item of the optimizer
+step, whatever the token counts. A micro-batch with fewer rows is padded with rows whose labels are
+all ``ignore_index`` (weight 0); a last pipeline step with fewer micro-batches is filled with
+micro-batches of padding alone. The stages' gradients are then summed over replicas and tied
+copies (stage_grads), and clipped on the norm of the whole model's gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ConfigError
+from .collectives import all_reduce_values
+from .stage_grads import clip_, global_grad_norm, reduce_gradients_, tied_sets, used_parameter_names
+from .stages import PipelineLayout, pipeline_layout, stage_starts
+from .sync import data_parallel_kind
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+Batch = tuple[torch.Tensor, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class PipelineStats:
+    """One window (optimizer step) of a pipeline, the same numbers on every rank.
+
+    ``loss`` is the mean over every item of the window (all replicas); ``items`` their count;
+    ``micro_batches`` this replica's real ones; ``pipeline_steps`` the schedule runs they took.
+    """
+
+    loss: float
+    items: int
+    micro_batches: int
+    pipeline_steps: int
+    grad_norm: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Pipeline:
+    """A model cut into stages over the ranks, trained window by window with exact gradients.
+
+    ``model``: the whole model, built the same way (same seed) on every rank; each rank keeps the
+    stage(s) it runs (``parameters()`` for its optimizer). ``example``: one micro-batch of model inputs
+    at full size (rows x ...): the shape every micro-batch is padded to. ``loss_fn(output, labels)``
+    returns (mean loss over the micro-batch's items, item count), as everywhere in microbatch; items
+    are counted from the labels (not ``ignore_index``) on every rank before the step.
+    ``micro_batches``: micro-batches per pipeline step (the schedule's m). ``blocks``: "auto" or the
+    names of the modules where stages 1..S-1 begin; ``block_costs`` balances "auto" by seconds.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        num_stages: int,
+        micro_batches: int,
+        example: torch.Tensor,
+        loss_fn: LossFn,
+        schedule: ScheduleName = "1f1b",
+        blocks: Sequence[str] | str = "auto",
+        block_costs: Mapping[str, float] | None = None,
+        virtual_stages: int = 2,
+        ignore_index: int = -100,
+    ) -> None:
+        _check_options(num_stages, micro_batches, schedule, virtual_stages)
+        _check_model(model)
+        self.layout: PipelineLayout = pipeline_layout(num_stages)
+        self.schedule_name = schedule
+        self.micro_batches = micro_batches
+        self.ignore_index = ignore_index
+        self._loss_fn = loss_fn
+        self._example = example
+        per_rank = virtual_stages if schedule == "interleaved-1f1b" else 1
+        self.stage_indices = [self.layout.stage_index + k * num_stages for k in range(per_rank)]
+        self.stage_starts = stage_starts(model, num_stages * per_rank, blocks, block_costs=block_costs)
+        self.modules, self._stages, self._tied = self._build(model, num_stages * per_rank)
+        self._schedule = self._make_schedule()
+        self._global_items = 1.0
+        self._loss_sum = 0.0
+        self._items_seen = 0.0
+        self._bad_loss = False
+
+    # ------------------------------------------------------------------ building
+
+    def _build(self, model: nn.Module, total_stages: int) -> tuple[list[nn.Module], list[Any], list[Any]]:
+        from torch.distributed.pipelining import SplitPoint, pipeline
+
+        device = self._example.device
+        split_spec = {name: SplitPoint.BEGINNING for name in self.stage_starts}
+        pipe = pipeline(model, mb_args=(self._example,), split_spec=split_spec)
+        if pipe.num_stages != total_stages:
+            raise ConfigError(
+                f"the model traced into {pipe.num_stages} stages, not {total_stages}: the cut points "
+                f"{self.stage_starts} must be modules the forward calls once, in order"
+            )
+        every_module = [pipe.get_stage_module(i) for i in range(total_stages)]
+        stages = [pipe.build_stage(i, device, group=self.layout.pipe_group) for i in self.stage_indices]
+        size = self.layout.num_stages
+        tied = tied_sets(
+            model, every_module, self.stage_indices, lambda s: s % size, self.layout.num_replicas, size
+        )
+        return [every_module[i] for i in self.stage_indices], stages, tied
+
+    def _make_schedule(self) -> Any:
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        common: dict[str, Any] = {
+            "n_microbatches": self.micro_batches,
+            "loss_fn": self._scaled_loss,
+            "scale_grads": False,
+        }
+        if self.schedule_name == "interleaved-1f1b":
+            return ScheduleInterleaved1F1B(self._stages, **common)
+        single = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
+        return single(self._stages[0], **common)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's trained parameters (its stages' used ones; tied copies included), by model name."""
+        seen: set[int] = set()
+        for module in self.modules:
+            used = used_parameter_names(module)
+            for name, parameter in module.named_parameters(remove_duplicate=False):
+                if name in used and id(parameter) not in seen:
+                    seen.add(id(parameter))
+                    yield name, parameter
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [parameter for _, parameter in self.named_parameters()]
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.layout.num_stages * len(self.stage_indices) - 1 in self.stage_indices
+
+    # ------------------------------------------------------------------ one window
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss for one micro-batch: mean_i * items_i / global_items (see the top)."""
+        result = self._loss_fn(output, target)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            # Raising here would leave the other stages waiting; the window's end raises on every rank.
+            self._bad_loss = True
+            return output.sum() * 0.0
+        mean, items = result
+        weighted = mean * items
+        self._loss_sum += float(weighted.detach())
+        self._items_seen += float(items)
+        return weighted / self._global_items
+
+    def backward(self, batches: Sequence[Batch], *, max_grad_norm: float | None = None) -> PipelineStats:
+        """Forward and backward over this replica's micro-batches of one window (one optimizer step).
+
+        On return every trained parameter's ``.grad`` holds its part of the gradient of the window's
+        global mean loss (summed over replicas and tied copies), clipped when ``max_grad_norm`` is set.
+        Every rank of a replica passes the same ``batches``; replicas pass their own (a replica whose
+        data has run out passes [] and adds nothing, while the others finish the window).
+        """
+        padded = [self._pad(batch, index) for index, batch in enumerate(batches)]
+        local_items = sum(float((labels != self.ignore_index).sum()) for _, labels in padded)
+        global_items = self._sum_over_replicas(local_items)
+        # No item anywhere: every loss weight is 0; dividing by 1 keeps the gradients zero.
+        self._global_items = global_items if global_items > 0 else 1.0
+        self._loss_sum, self._items_seen, self._bad_loss = 0.0, 0.0, False
+        steps = math.ceil(len(padded) / self.micro_batches)
+        if padded:
+            padded += [self._empty(padded[0])] * (steps * self.micro_batches - len(padded))
+        for step in range(steps):
+            chunk = padded[step * self.micro_batches : (step + 1) * self.micro_batches]
+            self._run_step(chunk)
+        loss_sum = self._check_window(local_items)
+        for parameter in self.parameters():
+            if parameter.grad is None:  # no micro-batch here: every replica still reduces the same list
+                parameter.grad = torch.zeros_like(parameter)
+        reduce_gradients_(self.parameters(), self._tied, self.layout.stage_group)
+        norm = global_grad_norm(self.parameters(), self._tied, self.layout.pipe_group)
+        if max_grad_norm is not None:
+            clip_(self.parameters(), norm, max_grad_norm)
+        return PipelineStats(
+            loss=loss_sum / self._global_items,
+            items=int(global_items),
+            micro_batches=len(batches),
+            pipeline_steps=steps,
+            grad_norm=norm,
+        )
+
+    def step(self, optimizer: torch.optim.Optimizer, scheduler: Any | None = None) -> None:
+        """The window's one optimizer step (and scheduler step), then the gradients cleared."""
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def _run_step(self, chunk: Sequence[Batch]) -> None:
+        # torch's step() cuts the concatenation back into the m equal micro-batches (tensor_split).
+        inputs = torch.cat([batch[0] for batch in chunk])
+        labels = torch.cat([batch[1] for batch in chunk])
+        args = (inputs,) if self.has_first_stage else ()
+        target = labels if self.has_last_stage else None
+        self._schedule.step(*args, target=target, return_outputs=False)
+
+    def _sum_over_replicas(self, value: float) -> float:
+        if self.layout.stage_group is None:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64, device=self._example.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.layout.stage_group)
+        return float(tensor[0])
+
+    def _check_window(self, local_items: float) -> float:
+        """The window's global loss sum, and the loss checks, agreed by every rank (one all-reduce)."""
+        last = self.has_last_stage
+        mismatch = float(last and self._items_seen != local_items)
+        loss_sum, bad, mismatched = all_reduce_values(
+            [self._loss_sum if last else 0.0, float(self._bad_loss), mismatch]
+        )
+        if bad:
+            raise ConfigError(
+                "the pipeline's loss_fn(output, labels) must return (mean loss, item count) per "
+                "micro-batch; a loss that couples the samples of a batch (contrastive, in-batch "
+                "negatives) cannot be cut into micro-batches exactly: use mb.cached_backward without "
+                "pipelining"
+            )
+        if mismatched:
+            raise ConfigError(
+                f"loss_fn counted different items than the labels hold (labels != {self.ignore_index}); "
+                "return the count of the items the mean is over, or set ignore_index"
+            )
+        return loss_sum
+
+    def _pad(self, batch: Batch, index: int) -> Batch:
+        inputs, labels = batch
+        rows, full_rows = inputs.shape[0], self._example.shape[0]
+        if inputs.shape[1:] != self._example.shape[1:] or labels.shape[0] != rows:
+            raise ConfigError(
+                f"micro-batch {index}: inputs {tuple(inputs.shape)} / labels {tuple(labels.shape)} do not "
+                f"fit the example's shape {tuple(self._example.shape)}: every micro-batch needs the "
+                "example's trailing shape (pad sequences to it) and one label row per input row"
+            )
+        if rows > full_rows:
+            raise ConfigError(
+                f"micro-batch {index} has {rows} rows, more than the example's {full_rows}; "
+                f"give an example of {rows} rows or cut the micro-batch"
+            )
+        if rows == full_rows:
+            return inputs, labels
+        extra = full_rows - rows
+        pad_inputs = torch.zeros((extra, *inputs.shape[1:]), dtype=inputs.dtype, device=inputs.device)
+        pad_labels = torch.full(
+            (extra, *labels.shape[1:]), self.ignore_index, dtype=labels.dtype, device=labels.device
+        )
+        return torch.cat([inputs, pad_inputs]), torch.cat([labels, pad_labels])
+
+    def _empty(self, like: Batch) -> Batch:
+        """A micro-batch of padding alone (weight 0): fills the last pipeline step of a window."""
+        return torch.zeros_like(like[0]), torch.full_like(like[1], self.ignore_index)
+
+
+def _check_model(model: nn.Module) -> None:
+    """What the pipeline cannot keep exact: wrapped models and batch statistics."""
+    kind = data_parallel_kind(model)
+    if kind is not None:
+        raise ConfigError(
+            f"Pipeline got a {kind.upper()}-wrapped model; pass the plain model: the pipeline sums each "
+            "stage's gradients over the data-parallel replicas itself (FSDP2 sharding of pipeline stages "
+            "is not supported yet)"
+        )
+    norms = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if norms:
+        raise ConfigError(
+            f"the model has BatchNorm ({', '.join(norms[:3])}): its statistics couple the rows of a "
+            "micro-batch, and the zero-weight rows the pipeline pads short micro-batches with would change "
+            "them; convert it with mb.convert_batchnorm_to_groupnorm(model) first"
+        )
+
+
+def _check_options(num_stages: int, micro_batches: int, schedule: str, virtual_stages: int) -> None:
+    if not isinstance(num_stages, int) or num_stages < 2:
+        raise ConfigError(
+            f"num_stages must be an integer >= 2 for a pipeline, got {num_stages!r} "
+            "(one stage is plain accumulation: use mb.Accumulator)"
+        )
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ConfigError(
+            f"micro_batches (per pipeline step) must be a positive integer, got {micro_batches!r}"
+        )
+    if schedule == "interleaved-1f1b" and (not isinstance(virtual_stages, int) or virtual_stages < 2):
+        raise ConfigError(
+            f"virtual_stages must be an integer >= 2 for interleaved-1f1b, got {virtual_stages!r}"
+        )
