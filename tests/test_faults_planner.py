@@ -56,11 +56,11 @@ def oom_above(limit: int, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     real = trial_module.run_trial
     tried: list[int] = []
 
-    def trial(workload: Any, candidate: Any) -> Any:
+    def trial(workload: Any, candidate: Any, **options: Any) -> Any:
         tried.append(candidate.micro_batch_size)
         if candidate.micro_batch_size > limit:
             raise torch.OutOfMemoryError("simulated: CUDA out of memory")
-        return real(workload, candidate)
+        return real(workload, candidate, **options)
 
     monkeypatch.setattr(trial_module, "run_trial", trial)
     return tried

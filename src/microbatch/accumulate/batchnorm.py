@@ -16,6 +16,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..trees.modules import modules_of_type, replace_modules
+from .norm_subclasses import GroupNormThen, check_reproducible, is_plain_batchnorm
 
 logger = logging.getLogger(__name__)
 
@@ -42,21 +43,32 @@ def convert_batchnorm_to_groupnorm(model: nn.Module, *, max_groups: int = 32) ->
 
     GroupNorm normalises each sample on its own, so accumulated gradients equal the full batch's.
     The number of groups is the largest divisor of the channel count that is <= ``max_groups``;
-    affine weights are carried over.
+    affine weights are carried over. A BatchNorm subclass that applies its own submodules after
+    normalising (timm's ``BatchNormAct2d``: drop, then act) becomes a GroupNorm followed by those
+    submodules (``GroupNormThen``); a subclass whose forward does anything else is refused with a
+    ConfigError before any module is replaced (norm_subclasses.py).
     """
     if max_groups < 1:
         raise ConfigError(f"max_groups must be >= 1, got {max_groups}")
+    for name, module in batchnorm_layers(model):
+        if not is_plain_batchnorm(module):
+            check_reproducible(name, module)
 
     def to_groupnorm(module: nn.Module) -> nn.Module:
         batchnorm = cast(_BatchNorm, module)  # selected by _BATCHNORM
         channels = batchnorm.num_features
         groups = max(g for g in range(1, min(max_groups, channels) + 1) if channels % g == 0)
-        norm = nn.GroupNorm(groups, channels, eps=batchnorm.eps, affine=batchnorm.affine)
-        if batchnorm.affine:
+        if is_plain_batchnorm(batchnorm):
+            norm = nn.GroupNorm(groups, channels, eps=batchnorm.eps, affine=batchnorm.affine)
+        else:
+            norm = GroupNormThen(
+                groups, channels, eps=batchnorm.eps, affine=batchnorm.affine, after=batchnorm
+            )
+        if batchnorm.affine:  # the GroupNorm's parameters where and as the BatchNorm's were
+            norm.to(device=batchnorm.weight.device, dtype=batchnorm.weight.dtype)
             norm.weight.data.copy_(batchnorm.weight.data)
             norm.bias.data.copy_(batchnorm.bias.data)
-        norm.to(device=batchnorm.weight.device if batchnorm.affine else None)
-        return norm
+        return norm.train(batchnorm.training)
 
     replace_modules(model, lambda module: isinstance(module, _BATCHNORM), to_groupnorm)
     return model

@@ -210,7 +210,7 @@ class CheckpointHandle:
             if compiled.is_compiling():  # traced by dynamo: no Python runs in the compiled backward
                 self.compiled_calls = True
                 return compiled.run_compiled(original, policy, args, kwargs)
-            return run_checkpointed(original, saving, guard, plan, args, kwargs)
+            return run_checkpointed(original, saving, guard, plan, args, kwargs, block=name)
 
         self._originals.append((module, had_instance_forward, module.__dict__.get("forward")))
         module.__dict__["forward"] = checkpointed_forward

@@ -9,8 +9,15 @@ Several classes usually qualify: a transformer layer and the attention inside it
 inverted residual and the squeeze-excitation inside it, a stage and the blocks inside it. Class C
 gives way to class D when most instances of C lie inside instances of D: checkpointing D covers C,
 with fewer boundaries to keep. The exception is a D that is a stage of C, holding a run of two or
-more same-shape C in a row (ConvNeXt or timm ResNet stages): there the finer C is the unit. Of the
-classes left, the one with most instances wins (then more parameters, then first found).
+more same-shape C in a row (ConvNeXt or timm ResNet stages, or timm RegNet's stages, which hold their
+blocks as numbered attributes b1, b2, ...): there the finer C is the unit. Of the classes left, the
+one with most instances wins (then more parameters, then first found).
+
+A stage list may open with a block of another class: timm's EfficientNet starts with a depthwise
+separable block in blocks.0, the inverted residuals follow in blocks.1 onwards. Such a block is
+the highest-resolution one, which keeps the most bytes, so it joins: any unit-like module (own
+parameters and submodules, not a container) beside the winning units in their container, or in a
+sibling container of theirs in the stage list, that neither holds nor lies in a unit.
 
 Models whose only repeats are single layers (a stack of nn.Linear) fall back to the longest run of
 same-class, same-shape siblings in one ModuleList / Sequential.
@@ -58,14 +65,21 @@ def _units_by_class(model: nn.Module) -> dict[type, list[tuple[str, nn.Module]]]
     return {cls: units for cls, units in found.items() if len(units) >= 2}
 
 
+def _series_name(name: str) -> str | None:
+    """'b1' -> 'b': the stem of a numbered attribute, None for a name without a trailing number."""
+    stem = name.rstrip("0123456789")
+    return stem if stem != name else None
+
+
 def _holds_run_of(outer: nn.Module, cls: type) -> bool:
-    """True when a container inside ``outer`` holds two or more same-shape ``cls`` in a row."""
+    """True when a module inside ``outer`` holds two or more same-shape ``cls`` in a row: children of
+    a ModuleList / Sequential, or attributes of one numbered series (b1, b2, ... as timm's RegStage)."""
     for container in outer.modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-            continue
+        listed = isinstance(container, (nn.ModuleList, nn.Sequential))
         previous = None
-        for child in container.children():
-            signature = _signature(child) if type(child) is cls else None
+        for name, child in container.named_children():
+            series = "" if listed else _series_name(name)
+            signature = (series, _signature(child)) if type(child) is cls and series is not None else None
             if signature is not None and signature == previous:
                 return True
             previous = signature
@@ -103,6 +117,43 @@ def _longest_run(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return best
 
 
+def _is_unit_like(module: nn.Module) -> bool:
+    return not _is_container(module) and any(True for _ in module.children()) and _num_parameters(module) > 0
+
+
+def _with_leading_blocks(model: nn.Module, units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """``units`` and the unit-like modules beside them (see the module docstring), in model order."""
+    modules = dict(model.named_modules())
+
+    def parent(name: str) -> str:
+        return name.rpartition(".")[0]
+
+    homes = {parent(name) for name, _ in units if name}
+    containers = {home for home in homes if _is_container(modules[home])}
+    stage_lists = {parent(home) for home in containers if home and _is_container(modules[parent(home)])}
+    for stage_list in stage_lists:
+        prefix = f"{stage_list}." if stage_list else ""
+        containers |= {
+            prefix + n for n, child in modules[stage_list].named_children() if _is_container(child)
+        }
+    chosen = [name for name, _ in units]
+    extra = [
+        f"{home}.{name}" if home else name
+        for home in containers
+        for name, child in modules[home].named_children()
+        if _is_unit_like(child)
+    ]
+    extra = [
+        name
+        for name in extra
+        if name not in chosen and not any(is_inside(name, unit) or is_inside(unit, name) for unit in chosen)
+    ]
+    if not extra:
+        return units
+    order = {name: index for index, name in enumerate(modules)}
+    return sorted([*units, *((name, modules[name]) for name in extra)], key=lambda item: order[item[0]])
+
+
 def auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The blocks ``blocks="auto"`` selects (see the module docstring), in model order."""
     units = _units_by_class(model)
@@ -121,7 +172,7 @@ def auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
                 -order[cls],
             ),
         )
-        return list(units[best])
+        return _with_leading_blocks(model, list(units[best]))
     run = _longest_run(model)
     if run:
         return run

@@ -23,7 +23,13 @@ from torch.utils import checkpoint as torch_checkpoint
 
 from .selective import OpKey, SelectivePlan
 
-__all__ = ["NORMS_WITH_RUNNING_STATS", "RunningStatsGuard", "cache_disabler", "run_checkpointed"]
+__all__ = [
+    "NORMS_WITH_RUNNING_STATS",
+    "RunningStatsGuard",
+    "cache_disabler",
+    "failed_block",
+    "run_checkpointed",
+]
 
 NORMS_WITH_RUNNING_STATS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 # Argument names through which a block receives a cache it would write into.
@@ -35,7 +41,19 @@ _CACHE_OBJECTS = (
     "kv_cache",
     "cache",
 )  # "cache": transformers 5
-# Matmul-like aten ops whose outputs the selective policy saves (everything else is recomputed).
+# Set on an exception raised inside a checkpointed block's forward or recompute: the block's name.
+_FAILED_BLOCK = "microbatch_checkpointed_block"
+
+
+def failed_block(error: BaseException) -> str | None:
+    """The checkpointed block ``error`` was raised in (innermost), or None when none was running."""
+    return getattr(error, _FAILED_BLOCK, None)
+
+
+def _name_block(error: BaseException, block: str) -> None:
+    if block and failed_block(error) is None:
+        with contextlib.suppress(AttributeError, TypeError):  # exceptions with __slots__
+            setattr(error, _FAILED_BLOCK, block)
 
 
 class RunningStatsGuard:
@@ -121,9 +139,12 @@ def run_checkpointed(
     plan: SelectivePlan | None,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    *,
+    block: str = "",
 ) -> Any:
     """Call ``forward`` under torch's non-reentrant checkpoint; ``saving()`` is the context kept
-    around the block's inputs (the offload hooks, or a null context)."""
+    around the block's inputs (the offload hooks, or a null context). An exception raised in the
+    forward or the recompute carries ``block``'s name (``failed_block``)."""
     # Keyword arguments travel positionally so that torch saves their tensors with the other
     # inputs (through the offload hooks, when offloading) and no name can clash with checkpoint's.
     num_args, keyword_names = len(args), list(kwargs)
@@ -133,14 +154,17 @@ def run_checkpointed(
         nonlocal calls
         calls += 1
         call_args, call_kwargs = inputs[:num_args], dict(zip(keyword_names, inputs[num_args:], strict=True))
-        if calls == 1:
-            return forward(*call_args, **call_kwargs)
-        # a recompute, inside backward; it may end early by an exception (torch's early stop)
         try:
+            if calls == 1:
+                return forward(*call_args, **call_kwargs)
+            # a recompute, inside backward; it may end early by an exception (torch's early stop)
             with guard.swapped() if guard is not None else contextlib.nullcontext():
                 return forward(*call_args, **call_kwargs)
+        except Exception as error:
+            _name_block(error, block)
+            raise
         finally:
-            if plan is not None:
+            if plan is not None and calls > 1:
                 plan.learn(saved, reached)
 
     if guard is not None:

@@ -3,11 +3,20 @@
 Every op that FlopCounterMode counts is in MATMUL_OPS, so a selective recompute adds no FLOPs; it
 reruns only elementwise ops, norms and the like. compiled.py uses the same op list in its
 compile-safe form of the policy.
+
+In-place ops: a saved output that a later op of the block writes into (conv -> ReLU(inplace=True),
+``out += residual``) no longer holds the value the recompute needs, and torch refuses it in backward
+("Tensor cached during selective activation checkpoint has been mutated"). The forward watches every
+op that writes into a tensor (its schema marks the argument as written) and compares the written
+storage with the saved outputs' storages. A forward that wrote into a saved output recomputes
+without the cache (as policy="full" would: correct, more FLOPs), and from the next forward on that
+output's producer is recomputed instead of saved.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -41,6 +50,82 @@ MATMUL_OPS = frozenset(
 
 
 OpKey = tuple[Any, int]  # (aten op, how many times the block ran it before) within one forward
+
+# torch hands the policy the op's output (SelectiveCheckpointContext.op_output) from 2.5 or so; where
+# it does not, an extra dispatch mode (_OutputsSeen) shows the forward's matmul outputs instead.
+POLICY_SEES_OUTPUTS = "op_output" in inspect.signature(torch_checkpoint.SelectiveCheckpointContext).parameters
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [leaf for item in value for leaf in _tensors(item)]
+    return []
+
+
+def _storage_address(tensor: torch.Tensor) -> int:
+    """Where the tensor's memory starts (shared by all its views); 0 where it has none to compare."""
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError, TypeError):  # tensor subclasses without a storage
+        return 0
+
+
+def _written(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors ``op`` writes into: the arguments its schema marks as written (``Tensor(a!)``)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    written: list[torch.Tensor] = []
+    for index, argument in enumerate(schema.arguments):
+        alias = argument.alias_info
+        if alias is not None and alias.is_write:
+            value = args[index] if index < len(args) else kwargs.get(argument.name)
+            written.extend(_tensors(value))
+    return written
+
+
+class _Mutations:
+    """One forward's saved outputs, by storage, and the keys of those a later op wrote into."""
+
+    def __init__(self) -> None:
+        self.saved_at: dict[int, OpKey] = {}
+        self.mutated: set[OpKey] = set()
+
+    def saved(self, key: OpKey, output: Any) -> None:
+        for tensor in _tensors(output):
+            address = _storage_address(tensor)
+            if address:
+                self.saved_at[address] = key
+
+    def wrote(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self.saved_at:
+            return
+        for tensor in _written(op, args, kwargs):
+            key = self.saved_at.get(_storage_address(tensor))
+            if key is not None:
+                self.mutated.add(key)
+
+
+class _OutputsSeen(TorchDispatchMode):
+    """Shows the policy's _Mutations the matmul outputs, where torch does not hand them to it."""
+
+    def __init__(self, mutations: _Mutations, saved: set[OpKey]) -> None:
+        super().__init__()
+        self.mutations, self.saved_keys = mutations, saved
+        self.counts: dict[Any, int] = defaultdict(int)
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        output = func(*args, **(kwargs or {}))  # runs through the caching mode, hence the policy
+        if getattr(func, "overloadpacket", None) in MATMUL_OPS:
+            key = (func, self.counts[func])
+            self.counts[func] += 1
+            if key in self.saved_keys:
+                self.mutations.saved(key, output)
+        return output
 
 
 class _OpsReached(TorchDispatchMode):
@@ -76,29 +161,40 @@ class SelectivePlan:
     def __init__(self) -> None:
         self.skip: frozenset[OpKey] = frozenset()
         self.unchanged = 0  # recomputes in a row that left the plan as it was
+        self.written_into: set[OpKey] = set()  # outputs a later in-place op overwrote: recomputed
 
     def contexts(self, saved: set[OpKey], reached: set[OpKey]) -> tuple[Any, Any]:
         counts: dict[Any, int] = defaultdict(int)
-        skip = self.skip
+        skip = self.skip | self.written_into
+        mutations = _Mutations()
 
         def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> torch_checkpoint.CheckpointPolicy:
             key = (op, counts[op])
             counts[op] += 1
+            mutations.wrote(op, args, kwargs)
             if getattr(op, "overloadpacket", None) in MATMUL_OPS and key not in skip:
                 saved.add(key)
+                if POLICY_SEES_OUTPUTS:
+                    mutations.saved(key, ctx.op_output)
                 return torch_checkpoint.CheckpointPolicy.MUST_SAVE
             return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
         caching, cached = torch_checkpoint.create_selective_checkpoint_contexts(policy)
-        if self.unchanged >= self.STABLE_AFTER:
-            return caching, cached
+        forward = caching if POLICY_SEES_OUTPUTS else _stacked(caching, _OutputsSeen(mutations, saved))
+        return forward, self._recompute(cached, mutations, reached)
 
-        @contextlib.contextmanager
-        def recompute() -> Iterator[None]:
-            with cached, _OpsReached(reached):  # the recorder sees each op before the cache answers it
+    @contextlib.contextmanager
+    def _recompute(self, cached: Any, mutations: _Mutations, reached: set[OpKey]) -> Iterator[None]:
+        """Entered as backward reruns the block: answered from the cache unless the forward wrote
+        into a cached output, in which case the cache is stale and every op is rerun."""
+        self.written_into |= mutations.mutated
+        answers = cached if not mutations.mutated else contextlib.nullcontext()
+        if self.unchanged >= self.STABLE_AFTER and not mutations.mutated:
+            with answers:
                 yield
-
-        return caching, recompute()
+            return
+        with answers, _OpsReached(reached):  # the recorder sees each op before the cache answers it
+            yield
 
     def learn(self, saved: set[OpKey], reached: set[OpKey]) -> None:
         if not reached:  # not recorded (plan stable), or a recompute that ran nothing
@@ -106,3 +202,12 @@ class SelectivePlan:
         skip = frozenset((self.skip | saved) - reached)
         self.unchanged = self.unchanged + 1 if skip == self.skip else 0
         self.skip = skip
+
+
+@contextlib.contextmanager
+def _stacked(*modes: Any) -> Iterator[None]:
+    """Enter the modes in order: the last entered sees each op first."""
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        yield

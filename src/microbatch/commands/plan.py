@@ -17,8 +17,9 @@ from ..hf.configs import (
 )
 from ..memory.device_specs import device_spec, devices
 from ..planner import plan
+from ..planner.applying import GRADIENT_SYNCS
+from ..planner.options import SHARDS
 from ..planner.plot import save_frontier_plot
-from ..planner.ranks import SHARDS
 from ..planner.simulated import target_budget
 from .models import load_named_workload, model_help
 from .output import dumps
@@ -97,6 +98,12 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--shard", choices=SHARDS, default="none", help="data parallelism across --world-size"
+    )
+    parser.add_argument(
+        "--gradient-sync",
+        choices=GRADIENT_SYNCS,
+        default=None,
+        help="--shard fsdp: reduce-scatter once per window or every micro-batch (default: planner chooses)",
     )
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (architectures)")
     parser.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16", help="parameter dtype")
@@ -197,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
             device=device,
             simulate=args.simulate,
             shard=args.shard,
+            gradient_sync=args.gradient_sync,
         )
     finally:
         if progress is not None:

@@ -129,6 +129,10 @@ class MemoryTracker:
         self._step_start_seq: int | None = None
         self._thread: int | None = None  # the thread that entered the block (optimizer hooks are global)
         self._hooked_parameters: set[int] = set()
+        # Set once a DTensor is seen (FSDP2): FSDP2 frees and refills its unsharded parameters'
+        # storages with UntypedStorage.resize_, which no aten op shows, so before a new peak is taken
+        # every live storage's size is read again.
+        self._resizing = False
         self._handles: list[Any] = []
         self._stack: contextlib.ExitStack | None = None
 
@@ -206,6 +210,12 @@ class MemoryTracker:
         return nbytes
 
     def _on_device(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
+        # A DTensor (FSDP2's sharded parameters, gradients, optimizer state) is a wrapper whose own
+        # storage claims the global size; this rank holds its local shard.
+        local = getattr(tensor, "_local_tensor", None)
+        if isinstance(local, torch.Tensor):
+            tensor = local
+            self._resizing = True
         device = tensor.device
         if self._device_from_first_tensor and device.type != "meta":
             self._device_from_first_tensor = False
@@ -266,6 +276,8 @@ class MemoryTracker:
         entry.category = category
 
     def _update_peak(self) -> None:
+        if self._current_bytes > self.peak_bytes and self._resizing:
+            self._resync_sizes()
         if self._current_bytes > self.peak_bytes:
             self.peak_bytes = self._current_bytes
             self.breakdown = dict(self._totals)
@@ -306,6 +318,18 @@ class MemoryTracker:
         if parameter.grad is not None:
             self._register(parameter.grad, "gradients", recategorize=True)
 
+    def _resync_sizes(self) -> None:
+        """The current size of live storages, which resize_ may have freed or refilled since seen."""
+        for entry in list(self._live.values()):
+            storage = entry.ref()
+            if storage is None:
+                continue
+            nbytes = self._storage_bytes(storage)
+            if nbytes != entry.nbytes:
+                self._totals[entry.category] += nbytes - entry.nbytes
+                self._current_bytes += nbytes - entry.nbytes
+                entry.nbytes = nbytes
+
     def _see_input(self, tensor: torch.Tensor) -> None:
         if isinstance(tensor, torch.nn.Parameter):
             self._register(tensor, "parameters", recategorize=False)
@@ -317,13 +341,22 @@ class MemoryTracker:
         self._register(tensor, "temporaries", recategorize=False)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Count a tensor autograd saves; keep it as a detached alias (same storage and version).
+
+        Not the tensor itself: autograd saves some tensors that are outputs of the node saving them
+        (relu, tanh, exp save their result), and such a tensor, held by its own grad_fn through the
+        hook, makes a reference cycle through autograd's C++ graph that Python's collector cannot
+        break. A graph never backpropagated (a forward under no loss.backward(), an exception or an
+        OOM mid-forward) then stayed alive for good. A detached alias holds the storage without the
+        grad_fn, as torch's own saving does for outputs.
+        """
         if isinstance(tensor, torch.nn.Parameter):
             self._see_input(tensor)
-        else:
-            entry = self._register(tensor, "saved activations", recategorize=False)
-            if entry is not None and entry.category in ("temporaries", "other"):
-                self._move(entry, "saved activations")
-        return tensor
+            return tensor
+        entry = self._register(tensor, "saved activations", recategorize=False)
+        if entry is not None and entry.category in ("temporaries", "other"):
+            self._move(entry, "saved activations")
+        return tensor.detach()
 
     def _before_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         if threading.get_ident() == self._thread:  # torch's step hooks are global: every thread's

@@ -4,8 +4,10 @@
 
 ``solve``: the exact per-size policy problem. ``search``: the peak and time model and the search
 over micro-batch sizes. ``plans``: the Plan result, ``Plan.apply``, ``Plan.manual``, save / load.
-``trial``: ``plan()``, which profiles, searches, proves the choice in one real window and re-plans
-when it does not fit. ``proof``: ``prove``, one trial window for a plan made elsewhere (loaded, manual).
+``options``: PlanOptions, plan()'s options with their defaults and checks. ``trial``: ``plan()``,
+which profiles, searches, proves the choice in one real window and re-plans when it does not fit.
+``applying``: what ``Plan.apply`` holds to (options that change memory, wrapped models).
+``proof``: ``prove``, one trial window for a plan made elsewhere (loaded, manual).
 
 May import: ``errors``, ``trees``, ``memory``, ``workload``, ``distributed``, ``accumulate``,
 ``checkpointing``, ``profile``; it reaches the model only through the profile and the trial.
@@ -14,8 +16,9 @@ Never training, hf or the commands.
 
 from __future__ import annotations
 
+from .options import PlanOptions
 from .plans import FrontierPoint, Plan
 from .proof import prove
 from .trial import plan
 
-__all__ = ["FrontierPoint", "Plan", "plan", "prove"]
+__all__ = ["FrontierPoint", "Plan", "PlanOptions", "plan", "prove"]

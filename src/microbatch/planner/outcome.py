@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from ..checkpointing.api import BlockSpec
 from ..memory.device_specs import DeviceSpec
-from ..profile import Profile, ProgressFn
+from ..profile import Profile
 from ..workload import Workload
+from .applying import dtype_name
+from .options import PlanOptions
 from .plans import FrontierPoint, Plan, summarize_policies
 from .reserve import BudgetReserve
 from .rules import SplitRules, batchnorm_note
@@ -26,26 +25,12 @@ logger = logging.getLogger("microbatch.planner.trial")  # plan()'s log, document
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """plan()'s arguments (see its docstring)."""
+    """plan()'s arguments: what to plan, for which batch and budget, and how (PlanOptions)."""
 
     workload: Workload | str
     batch: int
     memory: str | int | float
-    world_size: int
-    blocks: BlockSpec
-    policies: Sequence[str] | None
-    profile: Profile | None
-    trial: bool
-    max_trials: int
-    max_profile_micro_batch_size: int | None
-    progress: ProgressFn | None
-    gradient_as_bucket_view: bool
-    min_micro_batch_size: int
-    even: bool
-    prefer_large_micro_batches: bool
-    device: Any
-    simulate: bool
-    shard: str
+    options: PlanOptions
 
 
 @dataclass
@@ -62,6 +47,7 @@ class Setup:
     per_rank_batch: int
     bytes_per_sample: int
     notes: list[str]
+    gradient_sync: str = "window"  # FSDP2's sync mode, chosen with the per-rank profile (sharding.py)
 
     @property
     def model_budget_bytes(self) -> int:
@@ -92,8 +78,8 @@ def plan_of(
     )
     planned = Plan(
         workload=workload.name,
-        batch_size=setup.per_rank_batch * request.world_size,
-        world_size=request.world_size,
+        batch_size=setup.per_rank_batch * request.options.world_size,
+        world_size=request.options.world_size,
         micro_batch_size=chosen.micro_batch_size,
         steps=chosen.steps,
         micro_batch_sizes=tuple(chosen.micro_batch_sizes),
@@ -112,8 +98,11 @@ def plan_of(
         max_tokens=token_budget(workload, chosen.micro_batch_size),
         parameters=sum(parameter.numel() for parameter in workload.model.parameters()),
         device=workload.device.type,
+        accumulate_dtype=dtype_name(request.options.accumulate_dtype),
+        scaler=request.options.scaler,
+        gradient_sync=setup.gradient_sync,
     )
-    spec, shard = setup.spec, request.shard
+    spec, shard = setup.spec, request.options.shard
     return finish(
         planned, workload=workload, profile=setup.profile, spec=spec, shard=shard, extras=setup.extras
     )

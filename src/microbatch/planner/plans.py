@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -24,11 +23,12 @@ from ..errors import ConfigError
 from ..memory import format_bytes
 from ..trees.batches import split_batch
 from ..trees.modules import unwrap_compiled
+from . import applying
+from .applying import inner_model
 from .plan_checks import check_plan_data, read_plan_file
 from .text import NONE, plan_text, summarize_policies
 
 # The attribute of a model that a plan's apply() marks (holding the checkpoint handle, or None).
-_APPLIED = "_microbatch_applied_plan"
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,10 @@ class Plan:
     shard: str = "none"  # data parallelism across world_size ranks: none, ddp or fsdp
     rank_parts: tuple[tuple[str, int], ...] = ()  # one rank's peak by part, data-parallel extras named
     estimates: tuple[tuple[str, int], ...] = ()  # microbatch's figures beside accelerate's and the formula
+    # Memory-changing options the plan was made (profiled, tried) with; apply holds to them (applying.py).
+    accumulate_dtype: str | None = None  # e.g. "float32": low-precision gradients summed wide
+    scaler: bool = False  # a GradScaler steps the window
+    gradient_sync: str = "window"  # FSDP2: reduce-scatter once per "window" or every "micro-batch"
 
     @property
     def policies(self) -> dict[str, str]:
@@ -139,45 +143,37 @@ class Plan:
     ) -> Accumulator:
         """Checkpoint the chosen blocks of ``model`` and return an Accumulator for ``steps`` micro-batches.
 
-        ``accumulator_options`` go to Accumulator (scheduler, max_grad_norm, scaler, ...). Feed it
-        micro-batches of ``micro_batch_sizes`` (``plan.split(batch)`` cuts a rank's batch): it
-        warns once when a full window holds another number of samples than the plan's per-rank
-        batch. ``plan.remove(model)`` undoes the checkpointing and closes that Accumulator;
+        ``model``: the model, or its DDP / FSDP2 / torch.compile wrapper (the blocks are checkpointed in
+        the module inside; the Accumulator gets the wrapper, for its gradient sync). ``accumulator_options``
+        go to Accumulator (scheduler, max_grad_norm, scaler, ...); the options that change memory
+        (accumulate_dtype, scaler, the FSDP sync mode) must be those the plan was made with
+        (planner/applying.py) and default to them. Feed it micro-batches of ``micro_batch_sizes``
+        (``plan.split(batch)`` cuts a rank's batch): it warns once when a full window holds another
+        number of samples than the plan's per-rank batch. ``plan.remove(model)`` undoes both;
         applying a plan to a model that already has one applied raises ConfigError (remove it first).
         """
-        if _APPLIED in model.__dict__:
-            raise ConfigError(
-                "plan.apply(model, ...): this model already has a plan applied; call plan.remove(model) "
-                "first, then apply the new plan"
+        options = dict(accumulator_options)
+        if self.source != "manual":  # a manual plan measured nothing: the user vouches for every option
+            options = applying.accumulator_options(
+                accumulate_dtype=self.accumulate_dtype,
+                scaler=self.scaler,
+                gradient_sync=self.gradient_sync,
+                given=options,
             )
-        accumulator_options.setdefault("samples_per_window", sum(self.micro_batch_sizes))
-        handle = self.checkpoint(model)
-        try:
-            accumulator = Accumulator(model, optimizer, steps=self.steps, **accumulator_options)
-        except BaseException:
-            if handle is not None:
-                handle.remove()
-            raise
-        model.__dict__[_APPLIED] = (handle, weakref.ref(accumulator))
-        return accumulator
+        options.setdefault("samples_per_window", sum(self.micro_batch_sizes))
+        return applying.attach(model, self.checkpoint, optimizer, self.steps, options)
 
     def remove(self, model: nn.Module) -> None:
         """Undo ``apply``: the model's blocks are plain again and apply's Accumulator is closed (its
         gradient hooks removed). A model with no plan applied is left as is."""
-        applied = model.__dict__.pop(_APPLIED, None)
-        if applied is not None:
-            handle, accumulator = applied
-            if handle is not None:
-                handle.remove()
-            if (closing := accumulator()) is not None:
-                closing.close()
+        applying.detach(model)
 
     def check_model(self, model: nn.Module, *, device: torch.device | str | None = None) -> None:
         """Raise ConfigError unless ``model`` (and ``device``) is what this plan was made for.
 
         Checked: every block the plan names exists, the parameter count, the device type.
         """
-        modules = dict(model.named_modules())
+        modules = dict(inner_model(model).named_modules())
         missing = [name for name, _ in self.block_policies if name not in modules]
         count = sum(parameter.numel() for parameter in model.parameters())
         problems = []
@@ -228,6 +224,9 @@ class Plan:
             "device_name": self.device_name,
             "shard": self.shard,
             "rank_parts": dict(self.rank_parts),
+            "accumulate_dtype": self.accumulate_dtype,
+            "scaler": self.scaler,
+            "gradient_sync": self.gradient_sync,
             "estimates": dict(self.estimates),
         }
 

@@ -15,6 +15,20 @@ A profile describes one rank running the whole model. Data parallelism changes i
   reduce-scattered, (W - 1) / W * bytes / link each, taken as not overlapped with compute (an
   upper bound; FSDP2 overlaps them).
 
+FSDP2's gradient sync with more than one micro-batch per window is a choice (``gradient_sync``):
+
+- ``"micro-batch"``: every backward reduce-scatters (the Accumulator's sync_every_micro_batch):
+  each rank holds only its gradient shard, G / W; the reduce-scatter runs every micro-batch.
+- ``"window"``: only the window's last backward reduce-scatters. Until then every rank accumulates
+  the *unsharded* gradient of every parameter (FSDP2's unsharded accumulated gradient, as FSDP1's
+  no_sync): G per rank, growing block by block in the first backward exactly as without sharding,
+  so the gradients keep their unsharded profile and carry their own name in the peak. The
+  reduce-scatter runs once per window (counted in the step's time). The step after it holds the
+  shards only, so its peak is over-counted by G (1 - 1/W): conservative.
+
+With no device spec (a real profile here), the interconnect is this device's preset (the CPU's
+gloo figure; the GPU's preset when its name matches one; else PCIe 4.0 x16), named in a note.
+
 The fixed extra bytes join the profile's slack, so the search prices every plan with them; the
 plan's ``rank_parts`` names them.
 """
@@ -30,11 +44,10 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..memory.device_specs import DeviceSpec
+from ..memory.device_specs import DeviceSpec, devices
 from ..profile.costs import NONE, Fit, Profile
 from ..profile.roofline import all_gather_seconds, all_reduce_seconds
-
-SHARDS = ("none", "ddp", "fsdp")
+from .options import SHARDS
 
 
 def _parameter_bytes(module: nn.Module) -> int:
@@ -53,8 +66,32 @@ def _shifted(fit: Fit, seconds: float) -> Fit:
     )
 
 
+UNSHARDED_GRADIENTS = "gradients, unsharded (FSDP sync once per window)"
+
+
+def interconnect_spec(device: torch.device) -> tuple[DeviceSpec, str]:
+    """The link of the device that is here (see the module docstring), and a note naming it."""
+    presets = devices()
+    spec = presets["cpu"]
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        matches = [p for key, p in presets.items() if key != "cpu" and key.split("-")[0] in name]
+        spec = matches[0] if matches else DeviceSpec("cuda", "cuda", 0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    note = (
+        f"interconnect not measured: taken as {spec.interconnect}, "
+        f"{spec.interconnect_bytes_per_second / 1e9:.3g} GB/s (pass device= a DeviceSpec to state it)"
+    )
+    return spec, note
+
+
 def shard_profile(
-    profile: Profile, model: nn.Module, *, shard: str, world_size: int, spec: DeviceSpec | None
+    profile: Profile,
+    model: nn.Module,
+    *,
+    shard: str,
+    world_size: int,
+    spec: DeviceSpec | None,
+    gradient_sync: str = "micro-batch",
 ) -> tuple[Profile, tuple[tuple[str, int], ...]]:
     """The profile as one of ``world_size`` ranks sees it under ``shard``, and the extra parts."""
     if shard not in SHARDS:
@@ -62,9 +99,8 @@ def shard_profile(
     if shard == "none" or world_size <= 1:
         return profile, ()
     if spec is None:
-        raise ConfigError(
-            "shard= needs a device spec for the interconnect: pass device= (a preset or DeviceSpec)"
-        )
+        spec, note = interconnect_spec(torch.device(profile.device))
+        profile = dataclasses.replace(profile, notes=(*profile.notes, note))
     if shard == "ddp":
         buckets = profile.gradient_bytes
         seconds = all_reduce_seconds(profile.gradient_bytes, world_size, spec)
@@ -76,6 +112,13 @@ def shard_profile(
             notes=(*profile.notes, f"DDP over {world_size} ranks: all-reduce {seconds:.3g} s per step"),
         )
         return changed, parts
+    return _fsdp_profile(profile, model, world_size=world_size, spec=spec, gradient_sync=gradient_sync)
+
+
+def _fsdp_profile(
+    profile: Profile, model: nn.Module, *, world_size: int, spec: DeviceSpec, gradient_sync: str
+) -> tuple[Profile, tuple[tuple[str, int], ...]]:
+    """FSDP2's per-rank profile (the module docstring's parts) in either gradient sync mode."""
     modules = dict(model.named_modules())
     block_bytes = [_parameter_bytes(modules[s.name]) for s in profile.blocks if s.name in modules]
     block_gradients = [segment.gradient_bytes for segment in profile.blocks]
@@ -87,26 +130,36 @@ def shard_profile(
         ("FSDP root parameters, gathered", root_bytes - root_bytes // world_size),
         ("FSDP reduce-scatter buffers", max(block_gradients, default=0)),
     )
-    per_micro_batch = 2 * all_gather_seconds(total_parameters, world_size, spec) + all_gather_seconds(
-        profile.gradient_bytes, world_size, spec
-    )
-    segments = tuple(
-        dataclasses.replace(segment, gradient_bytes=math.ceil(segment.gradient_bytes / world_size))
-        for segment in profile.segments
+    gather_seconds = 2 * all_gather_seconds(total_parameters, world_size, spec)
+    scatter_seconds = all_gather_seconds(profile.gradient_bytes, world_size, spec)
+    once = gradient_sync == "window"
+    per_micro_batch = gather_seconds + (0.0 if once else scatter_seconds)
+    segments, gradient_bytes = profile.segments, profile.gradient_bytes  # "window": unsharded
+    if not once:
+        segments = tuple(
+            dataclasses.replace(segment, gradient_bytes=math.ceil(segment.gradient_bytes / world_size))
+            for segment in profile.segments
+        )
+        gradient_bytes = math.ceil(profile.gradient_bytes / world_size)
+    sync = (
+        f"gradients unsharded through the window, reduce-scattered once ({scatter_seconds:.3g} s per step)"
+        if once
+        else "gradients reduce-scattered every micro-batch"
     )
     changed = dataclasses.replace(
         profile,
         segments=segments,
         parameter_bytes=math.ceil(profile.parameter_bytes / world_size),
-        gradient_bytes=math.ceil(profile.gradient_bytes / world_size),
+        gradient_bytes=gradient_bytes,
+        gradient_name=UNSHARDED_GRADIENTS if once else profile.gradient_name,
         optimizer_bytes=math.ceil(profile.optimizer_bytes / world_size),
         slack_bytes=profile.slack_bytes + sum(value for _, value in parts),
+        step_seconds=profile.step_seconds + (scatter_seconds if once else 0.0),
         loop_seconds=_shifted(profile.loop_seconds, per_micro_batch),
         notes=(
             *profile.notes,
-            f"FSDP2 over {world_size} ranks: parameters, gradients and optimizer state sharded; "
-            f"all-gathers and reduce-scatter {per_micro_batch:.3g} s per micro-batch on {spec.interconnect}, "
-            "not overlapped",
+            f"FSDP2 over {world_size} ranks: parameters, gradients and optimizer state sharded, {sync}; "
+            f"all-gathers {per_micro_batch:.3g} s per micro-batch on {spec.interconnect}, not overlapped",
         ),
     )
     return changed, parts

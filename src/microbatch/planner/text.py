@@ -133,6 +133,7 @@ def report_lines(plan: Plan) -> list[str]:
     if plan.simulated or plan.shard != "none":
         what = "simulated" if plan.simulated else "profiled"
         where = f"{what} on {plan.device_name}, shard {plan.shard}, {ranks_word(plan.world_size)}"
+        where += f", gradient sync every {plan.gradient_sync}" if plan.shard == "fsdp" else ""
         lines += ["", f"Per rank ({where}):"]
         lines.extend(f"  {name:<52} {format_bytes(value):>10}" for name, value in plan.rank_parts if value)
     if plan.estimates:

@@ -15,9 +15,9 @@ stays below it, and the step's own peak comes after any of them. Then:
   failed plan never reached its peak, so the bisection is the most that is known.
 
 Predictions carry a safety margin (search.SAFETY_MARGIN) for plans nobody has run. So the first
-trial goes to the fastest plan that fits the budget without it, when that is faster than the
-safe choice: if its measured peak fits, the measurement is the proof (its predicted peak, margin
-included, may then exceed the budget by less than the margin); if not, the safe plan is next.
+trial goes to the fastest plan predicted near the budget without it (up to choices.TRIAL_REACH
+over), when that is faster than the safe choice: if its measured peak fits, the measurement is the
+proof (its predicted peak may then exceed the budget); if not, the safe plan is next.
 
 Each round rules out at least the plan that failed, so the loop ends; after ``max_trials`` rounds
 without a fit the planner raises InfeasibleBudgetError. Nothing it runs changes the model: its
@@ -43,9 +43,9 @@ from ..memory.oom import attempt
 from ..profile import Profile, ProgressFn, profile_workload
 from ..workload import Workload, load_workload
 from .choices import faster_without_margin, last_resort
+from .options import DEFAULT_MAX_PROFILE_SIZE, PlanOptions
 from .outcome import PlanRequest, Setup, plan_of
 from .plans import Plan, summarize_policies
-from .ranks import shard_profile
 from .refusals import (
     candidate_key,
     check_make_batch,
@@ -57,18 +57,17 @@ from .refusals import (
 from .reserve import outside_the_model, with_reserve
 from .rules import SplitRules, even_batch, profile_with_rules
 from .search import Candidate, SearchResult, search
+from .sharding import rank_profile, with_wide_gradients
 from .simulated import profile_for, resolve_target, target_budget
 from .trial_window import TrialResult, run_trial
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_TRIALS = 6
-DEFAULT_MAX_PROFILE_SIZE = 16
 
-
-def _attempt(workload: Workload, candidate: Candidate) -> TrialResult | None:
+def _attempt(workload: Workload, candidate: Candidate, options: PlanOptions) -> TrialResult | None:
     """The trial's result; None when it ran out of memory (memory freed)."""
-    return attempt(lambda: run_trial(workload, candidate), workload.device)
+    run = functools.partial(run_trial, accumulate_dtype=options.accumulate_dtype, scaler=options.scaler)
+    return attempt(lambda: run(workload, candidate), workload.device)
 
 
 def _extend_profile(
@@ -110,46 +109,20 @@ def plan(
     *,
     batch: int,
     memory: str | int | float,
-    world_size: int = 1,
-    blocks: BlockSpec = "auto",
-    policies: Sequence[str] | None = None,
-    profile: Profile | None = None,
-    trial: bool = True,
-    max_trials: int = DEFAULT_MAX_TRIALS,
-    max_profile_micro_batch_size: int | None = None,
-    progress: ProgressFn | None = None,
-    gradient_as_bucket_view: bool = False,
-    min_micro_batch_size: int = 1,
-    even: bool = False,
-    prefer_large_micro_batches: bool = False,
-    device: Any = None,
-    simulate: bool = False,
-    shard: str = "none",
+    options: PlanOptions | None = None,
+    **keywords: Any,
 ) -> Plan:
     """The fastest plan for an effective batch of ``batch`` samples within ``memory`` bytes of peak.
 
     ``memory``: bytes, a size such as "8GiB", or a fraction of the device's memory (see parse_bytes).
-    ``blocks`` / ``policies``: which blocks may be checkpointed and how (default: "auto", and none,
-    full, selective, plus offload on accelerators). ``profile``: reuse one from ``profile_workload``.
-    ``trial``: prove the plan in one real window (recommended; False trusts the model).
-    ``device``: a torch device (profile there for real) or a DeviceSpec / preset name (simulate);
-    ``simulate``: predict under fake tensors, no kernel run and no trial (see planner/simulated.py).
-    ``shard``: none, ddp or fsdp across ``world_size`` ranks (per-rank memory, see planner/ranks.py).
-    ``max_profile_micro_batch_size``: the largest size profiled; by default 16, extended to the
-    micro-batch the search chooses when that is larger (profiled before it is trusted).
-    ``gradient_as_bucket_view``: with world_size > 1 the plan counts DDP's gradient buckets, a
-    second copy of the gradients, unless DDP will run with gradient_as_bucket_view=True.
-    The budget: peak live tensor bytes on the CPU; on CUDA peak reserved bytes of the caching
-    allocator plus what is measured outside it (see planner.reserve).
-    ``min_micro_batch_size``, ``even``, ``prefer_large_micro_batches``: how the batch may be split
-    (planner/rules.py). A torch.compile'd model is profiled eagerly (the module inside it).
-    ``progress``: called as ``progress(what, done, total)`` while profiling runs (what is running,
-    runs done, runs in all) and once per trial window (``total`` 1); the CLI draws it as a line.
-    Without it, the planner still logs one INFO line per phase (profile, each trial, the choice)
-    to ``logging.getLogger("microbatch.planner.trial")``.
+    Every other option is a field of PlanOptions (planner/options.py: world_size, blocks, policies,
+    profile, trial, device, simulate, shard, ...), passed as a keyword (``trial=False``) or as
+    ``options=PlanOptions(...)`` (keywords then replace its fields). A torch.compile'd model is
+    profiled eagerly (the module inside it). Without ``progress``, the planner still logs one INFO
+    line per phase (profile, each trial, the choice) to ``logging.getLogger("microbatch.planner.trial")``.
     Raises InfeasibleBudgetError when no plan fits; never lets an out-of-memory error escape.
     """
-    request = PlanRequest(**locals())  # the arguments above, as one value
+    request = PlanRequest(workload, batch, memory, PlanOptions.of(options, keywords))
     began = time.perf_counter()
     setup = _prepare(request)
     chosen, result, trials = _search_and_prove(setup, request)
@@ -158,13 +131,14 @@ def plan(
 
 def _prepare(request: PlanRequest) -> Setup:
     """Check the request, refuse what cannot fit before profiling, then profile (or take the profile)."""
+    options = request.options
     workload = load_workload(request.workload) if isinstance(request.workload, str) else request.workload
     workload, compile_notes = eager_workload(workload)
-    world_size, shard = request.world_size, request.shard
+    world_size, shard = options.world_size, options.shard
     per_rank_batch = validate_batch(request.batch, world_size)
-    rules = SplitRules(request.min_micro_batch_size, request.even, request.prefer_large_micro_batches)
+    rules = SplitRules(options.min_micro_batch_size, options.even, options.prefer_large_micro_batches)
     rules.check_batch(per_rank_batch, world_size)
-    spec = resolve_target(workload, request.device, request.simulate)
+    spec = resolve_target(workload, options.device, options.simulate)
     budget_bytes = target_budget(request.memory, spec, workload)
     reserve = outside_the_model(
         workload,
@@ -172,18 +146,40 @@ def _prepare(request: PlanRequest) -> Setup:
         memory=request.memory,
         # shard="ddp" / "fsdp": ranks.shard_profile counts the data-parallel extras instead
         world_size=world_size if shard == "none" else 1,
-        gradient_as_bucket_view=request.gradient_as_bucket_view,
+        gradient_as_bucket_view=options.gradient_as_bucket_view,
     )
     shards = world_size if shard == "fsdp" else 1
     refuse_budget_below_weights(workload, budget_bytes - reserve.total_bytes, reserve, shards=shards)
     bytes_per_sample = check_make_batch(workload, per_rank_batch)
-    profile = _profile(request, workload, rules, spec, per_rank_batch, budget_bytes - reserve.total_bytes)
-    profile, extras = shard_profile(profile, workload.model, shard=shard, world_size=world_size, spec=spec)
     model_budget_bytes = budget_bytes - reserve.total_bytes
+    profile = _profile(request, workload, rules, spec, per_rank_batch, model_budget_bytes)
+    profile = with_wide_gradients(profile, workload.model, options.accumulate_dtype)
+    profile, extras, gradient_sync = rank_profile(
+        profile,
+        workload.model,
+        shard=shard,
+        world_size=world_size,
+        spec=spec,
+        gradient_sync=options.gradient_sync,
+        per_rank_batch=per_rank_batch,
+        capacity_bytes=model_budget_bytes,
+        rules=rules,
+        bytes_per_sample=bytes_per_sample,
+    )
     per_rank_batch, even_notes = even_batch(profile, per_rank_batch, model_budget_bytes, rules, world_size)
     notes = [*profile.notes, *reserve.notes, *compile_notes, *even_notes]
     return Setup(
-        workload, profile, extras, spec, rules, reserve, budget_bytes, per_rank_batch, bytes_per_sample, notes
+        workload,
+        profile,
+        extras,
+        spec,
+        rules,
+        reserve,
+        budget_bytes,
+        per_rank_batch,
+        bytes_per_sample,
+        notes,
+        gradient_sync,
     )
 
 
@@ -196,13 +192,14 @@ def _profile(
     capacity_bytes: int,
 ) -> Profile:
     """The request's profile, or one measured (simulated on ``spec``) and extended to the choice."""
-    profile = request.profile
-    extend = profile is None and request.max_profile_micro_batch_size is None and spec is None
+    options = request.options
+    profile = options.profile
+    extend = profile is None and options.max_profile_micro_batch_size is None and spec is None
     if profile is None:
-        options = {"blocks": request.blocks, "policies": request.policies, "progress": request.progress}
-        largest = request.max_profile_micro_batch_size or DEFAULT_MAX_PROFILE_SIZE
+        kinds = {"blocks": options.blocks, "policies": options.policies, "progress": options.progress}
+        largest = options.max_profile_micro_batch_size or DEFAULT_MAX_PROFILE_SIZE
         profile_fn = functools.partial(profile_for, spec=spec, real=profile_workload)
-        profile = profile_with_rules(profile_fn, workload, rules, per_rank_batch, largest, **options)
+        profile = profile_with_rules(profile_fn, workload, rules, per_rank_batch, largest, **kinds)
         logger.info(
             "planning %s: profiled %d blocks at micro-batch sizes %s in %.1f s",
             workload.name,
@@ -216,9 +213,9 @@ def _profile(
             profile,
             per_rank_batch=per_rank_batch,
             capacity_bytes=capacity_bytes,
-            blocks=request.blocks,
-            policies=request.policies,
-            progress=request.progress,
+            blocks=options.blocks,
+            policies=options.policies,
+            progress=options.progress,
             rules=rules,
         )
     return profile
@@ -239,7 +236,14 @@ class _Trials:
 
 def _search_and_prove(setup: Setup, request: PlanRequest) -> tuple[Candidate, SearchResult, _Trials]:
     """Search, try the choice in one real window, re-plan until a trial fits (see the module docstring)."""
-    trial = request.trial and setup.spec is None
+    # A sharded plan's per-rank memory cannot be run in this one process: it is predicted only.
+    sharded = request.options.shard != "none" and request.options.world_size > 1
+    trial = request.options.trial and setup.spec is None and not sharded
+    if request.options.trial and setup.spec is None and sharded:
+        setup.notes.append(
+            f"shard={request.options.shard!r} over {request.options.world_size} ranks: no trial in this one "
+            "process (each rank's memory is predicted); prove it on the ranks with mb.prove"
+        )
     trials = _Trials()
     margin_free_pending = trial
     while True:
@@ -254,8 +258,8 @@ def _search_and_prove(setup: Setup, request: PlanRequest) -> tuple[Candidate, Se
         )
         chosen, margin_free = result.best, False
         if margin_free_pending:
-            # The safety margin guards plans nobody ran. A faster plan that fits without it gets one
-            # trial first: if the measured peak fits, the measurement is the proof.
+            # The safety margin guards plans nobody ran. A faster plan predicted near the budget
+            # (choices.py) gets one trial first: if the measured peak fits, the measurement is the proof.
             margin_free_pending = False
             faster = faster_without_margin(
                 setup.profile,
@@ -271,7 +275,7 @@ def _search_and_prove(setup: Setup, request: PlanRequest) -> tuple[Candidate, Se
         if trials.out_of_memory:  # before giving up after out-of-memory trials: the smallest plan, once
             budget = setup.model_budget_bytes
             chosen = last_resort(
-                chosen, trials.count >= request.max_trials, result, budget, trials.tried, setup.notes
+                chosen, trials.count >= request.options.max_trials, result, budget, trials.tried, setup.notes
             )
         if chosen is None:
             error = no_plan_error(
@@ -298,15 +302,17 @@ def _prove(
 ) -> bool:
     """One trial of ``chosen``: True when its measured peak fits; else what it taught goes into ``trials``."""
     notes = setup.notes
-    refuse_after_max_trials(chosen, result, trials.count, request.max_trials, setup.budget_bytes, notes)
+    refuse_after_max_trials(
+        chosen, result, trials.count, request.options.max_trials, setup.budget_bytes, notes
+    )
     trials.count += 1
     trials.tried.add(candidate_key(chosen))
     policies = summarize_policies(chosen.block_policies)
     what = f"micro-batch {chosen.micro_batch_size} x {chosen.steps} with {policies}"
     logger.info("planning %s: trial %d: %s", setup.workload.name, trials.count, what)
-    if request.progress is not None:
-        request.progress(f"trial {trials.count}: {what}", 0, 1)
-    measured = trials.measured = _attempt(setup.workload, chosen)
+    if request.options.progress is not None:
+        request.options.progress(f"trial {trials.count}: {what}", 0, 1)
+    measured = trials.measured = _attempt(setup.workload, chosen, request.options)
     if measured is None:
         # The failed plan's real peak is unknown: bisect between the smallest plan and it.
         failed = chosen.peak_bytes - trials.correction_bytes
@@ -330,8 +336,8 @@ def _prove(
     else:
         if margin_free:
             notes.append(
-                f"trial {trials.count}: {what} fits without the model's safety margin: measured "
-                f"{format_bytes(measured.peak_bytes)} <= budget"
+                f"trial {trials.count}: {what}, predicted {format_bytes(chosen.peak_bytes)} with the safety "
+                f"margin, measured {format_bytes(measured.peak_bytes)} <= budget: the measurement proves it"
             )
         return True
     logger.info(notes[-1])

@@ -31,8 +31,15 @@ class TrialResult:
     cuda_max_reserved_bytes: int | None = None
 
 
-def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
-    """One optimizer step of ``candidate`` on the workload's model, under MemoryTracker.
+def run_trial(
+    workload: Workload,
+    candidate: Candidate,
+    *,
+    accumulate_dtype: torch.dtype | None = None,
+    scaler: bool = False,
+) -> TrialResult:
+    """One optimizer step of ``candidate`` on the workload's model, under MemoryTracker, with the
+    Accumulator options the plan is made for (``accumulate_dtype``, a GradScaler when ``scaler``).
 
     May raise an out-of-memory error; the model is restored either way.
     """
@@ -53,7 +60,10 @@ def run_trial(workload: Workload, candidate: Candidate) -> TrialResult:
                 while batches:
                     yield move_batch(batches.pop(0), device)
 
-            accumulator = Accumulator(model, optimizer, steps=len(batches))
+            grad_scaler = torch.amp.GradScaler(device.type) if scaler else None
+            accumulator = Accumulator(
+                model, optimizer, steps=len(batches), accumulate_dtype=accumulate_dtype, scaler=grad_scaler
+            )
             accumulator._warned_batchnorm = True  # the trial's cut window; the plan's note covers BatchNorm
             with MemoryTracker(device, model=model, optimizer=optimizer) as tracker:
                 train_window(workload, accumulator, loader())

@@ -6,7 +6,7 @@ import logging
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -33,6 +33,8 @@ class Measurements:
     step_peak_bytes: int
     step_seconds: float
     gradient_bytes: Mapping[str, int]
+    # policy -> the blocks profiled without it, because their checkpoint raised under it
+    failed: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
 
 def gradient_bytes_by_segment(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> dict[str, int]:
@@ -84,6 +86,8 @@ def _segment(measured: Measurements, name: str, is_block: bool, not_linear: list
     sizes, costs = measured.sizes, {}
     fastest = fastest_runs(measured.timed_runs)
     for policy in measured.policies if is_block else (NONE,):
+        if name in measured.failed.get(policy, ()):
+            continue
         cost = _policy_cost(
             sizes,
             steady=[measured.memory_runs[policy, size].segments[name] for size in sizes],

@@ -241,6 +241,8 @@ class Profile:
     peak_kind: str = "live tensor bytes"  # or "reserved (allocator model)" / "(expandable segments)"
     # What the times were read from: "wall" or "cpu", the profiling thread's CPU time (clocks.py).
     clock: str = "wall"
+    # The gradients' name in the peak's parts (the planner names FSDP's unsharded gradients).
+    gradient_name: str = "gradients"
 
     def reserved_overhead(self, micro_batch_size: float) -> int:
         """Bytes the caching allocator reserves beyond the live tensors at ``micro_batch_size`` (0 off
@@ -271,7 +273,7 @@ class Profile:
     def static_parts(self) -> dict[str, int]:
         return {
             "parameters": self.parameter_bytes,
-            "gradients": self.gradient_bytes,
+            self.gradient_name: self.gradient_bytes,
             f"{self.optimizer_name} state": self.optimizer_bytes,
         }
 

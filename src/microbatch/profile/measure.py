@@ -17,9 +17,10 @@ from torch import nn
 from .. import distributed
 from ..checkpointing.api import POLICIES, BlockSpec, checkpoint, find_blocks
 from ..checkpointing.auto_blocks import describe_blocks
+from ..checkpointing.recompute import failed_block
 from ..errors import CheckpointError, ConfigError, InfeasibleBudgetError
 from ..memory import device_memory_bytes
-from ..memory.oom import attempt
+from ..memory.oom import attempt, is_out_of_memory
 from ..workload import Workload
 from . import stash
 from .assemble import Measurements, assemble, gradient_bytes_by_segment
@@ -104,6 +105,7 @@ def profile_workload(
         step_peak_bytes=step_peak_bytes,
         step_seconds=step_seconds,
         gradient_bytes=gradient_bytes_by_segment(model, found),
+        failed={policy: frozenset(names) for policy, names in session.failed.items()},
     )
     return assemble(
         workload, device, measured, notes=session.notes, seconds=time.perf_counter() - began, clock=clock
@@ -178,42 +180,85 @@ class _Session:
         self.first_runs: dict[tuple[str, int], Run] = {}
         self.timed_runs: dict[tuple[str, int], list[Run]] = {}
         self.notes: list[str] = []
+        self.failed: dict[str, set[str]] = {}  # policy -> blocks profiled without it (it raised)
         self.total_runs = self.done_runs = 0
         self.clock: Callable[[], float] = time.perf_counter
 
     def measure_memory(self) -> None:
-        """Tracked runs: under a fresh checkpoint per size, its first call, then the steady state."""
-        for policy in self.policies:
-            for size in list(self.sizes):
-                if size not in self.sizes:
+        """Tracked runs: under a fresh checkpoint per size, its first call, then the steady state.
+        A block whose checkpoint raises under a policy is profiled without it (``policy_failed``)."""
+        for policy in list(self.policies):
+            while policy in self.policies:
+                try:
+                    self._measure_memory(policy)
                     break
-                with self.applied(policy):
-                    first = self.run(policy, size, track=True)
-                    steady = self.run(policy, size, track=True) if first and policy != NONE else first
-                if first is None or steady is None:
-                    break
-                self.first_runs[policy, size] = first
-                self.memory_runs[policy, size] = steady
+                except Exception as error:
+                    self.policy_failed(policy, error, whole=False)
+
+    def _measure_memory(self, policy: str) -> None:
+        for size in list(self.sizes):
+            if size not in self.sizes:
+                break
+            with self.applied(policy):
+                first = self.run(policy, size, track=True)
+                steady = self.run(policy, size, track=True) if first and policy != NONE else first
+            if first is None or steady is None:
+                break
+            self.first_runs[policy, size] = first
+            self.memory_runs[policy, size] = steady
 
     def measure_time(self, *, warmup: int, repeats: int) -> None:
         """Timed runs, round by round; each checkpoint's first (learning) call is not timed."""
         for round_index in range(warmup + repeats):
-            for policy in self.policies:
-                with self.applied(policy):
-                    if policy != NONE and self.run(policy, self.sizes[0], track=False) is None:
-                        continue
-                    for size in list(self.sizes):
-                        timed = self.run(policy, size, track=False)
-                        if timed is None:
-                            break
-                        if round_index >= warmup:
-                            self.timed_runs.setdefault((policy, size), []).append(timed)
+            for policy in list(self.policies):
+                try:
+                    self._time_round(policy, timed=round_index >= warmup)
+                except Exception as error:
+                    self.policy_failed(policy, error, whole=True)
+
+    def _time_round(self, policy: str, *, timed: bool) -> None:
+        with self.applied(policy):
+            if policy != NONE and self.run(policy, self.sizes[0], track=False) is None:
+                return
+            for size in list(self.sizes):
+                run = self.run(policy, size, track=False)
+                if run is None:
+                    break
+                if timed:
+                    self.timed_runs.setdefault((policy, size), []).append(run)
+
+    def policy_failed(self, policy: str, error: Exception, *, whole: bool) -> None:
+        """A run under ``policy`` raised (not for memory): the block it was raised in is profiled
+        without the policy from now on, or every block is, when the block is unknown, when it is
+        the last one left under the policy, or when ``whole`` (its memory was measured already)."""
+        if policy == NONE or is_out_of_memory(error):
+            raise error
+        block = failed_block(error)
+        failed = self.failed.setdefault(policy, set())
+        names = [name for name, _ in self.blocks]
+        reason = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+        if whole or block not in names or len(failed) + 1 >= len(names):
+            self.policies = tuple(p for p in self.policies if p != policy)
+            self.failed.pop(policy)
+            for runs in (self.memory_runs, self.first_runs, self.timed_runs):
+                for key in [key for key in runs if key[0] == policy]:
+                    del runs[key]
+            where = f"in block {block!r}" if block else "outside the blocks"
+            self.notes.append(f"policy {policy} raised {where} ({reason}); not profiled, so never planned")
+        else:
+            failed.add(block)
+            self.notes.append(
+                f"policy {policy} raised in block {block!r} ({reason}); planned without it there"
+            )
+        logger.warning("profiling: %s", self.notes[-1])
 
     def applied(self, policy: str) -> contextlib.AbstractContextManager[Any]:
         """Every block under ``policy`` for the duration of the ``with`` block."""
         if policy == NONE:
             return contextlib.nullcontext()
-        return checkpoint(self.workload.model, policy={name: policy for name, _ in self.blocks})
+        failed = self.failed.get(policy, set())
+        chosen = {name: NONE if name in failed else policy for name, _ in self.blocks}
+        return checkpoint(self.workload.model, policy=chosen)
 
     def run(self, policy: str, size: int, *, track: bool) -> Run | None:
         """One micro-batch; None when it ran out of memory (the size and larger ones are dropped)."""

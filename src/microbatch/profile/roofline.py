@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..memory.device_specs import DeviceSpec
 from ..trees.batches import op_tensors
@@ -43,9 +43,31 @@ def tensor_bytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in op_tensors(tree))
 
 
+def _cpu_attention_flops(query: Any, key: Any, value: Any, *_: Any, **__: Any) -> int:
+    # QK^T and PV: two batched matmuls, 4 b h s_q s_k d (torch's sdpa_flop_count)
+    return int(sdpa_flop_count(query.shape, key.shape, value.shape))
+
+
+def _cpu_attention_backward_flops(grad_out: Any, query: Any, key: Any, value: Any, *_: Any, **__: Any) -> int:
+    # the scores QK^T recomputed, then dV, dP, dQ, dK: five batched matmuls (torch's formula)
+    return int(sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape))
+
+
+# Ops that torch's FLOP registry does not know but fake CPU tensors dispatch: SDPA on the CPU (the
+# simulation's fake tensors claim the CPU) runs as these, and would be priced as free.
+_FORMULAS: dict[Any, Any] = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
+}
+
+
 def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
-    """FLOPs of one aten op by torch's formulas; 0 for ops without one."""
-    formula = flop_registry.get(getattr(func, "_overloadpacket", None))
+    """FLOPs of one aten op by torch's formulas (and _FORMULAS'); 0 for ops without one."""
+    packet = getattr(func, "_overloadpacket", None)
+    own = _FORMULAS.get(packet)
+    if own is not None:
+        return int(own(*args, **kwargs))
+    formula = flop_registry.get(packet)
     if formula is None:
         return 0
     try:

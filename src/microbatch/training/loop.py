@@ -165,7 +165,10 @@ def _window_batches(session: Session) -> list[dict[str, torch.Tensor]]:
 
     Drawing the whole window first makes the data independent of the split: any plan (micro-batch
     size, steps) trains on the same sequences, so plans differ only by rounding. The token ids of a
-    window are small (batch x block_size int64) next to the activations of one micro-batch.
+    window are small (batch x block_size int64) next to the activations of one micro-batch. They stay
+    where they were drawn (the host); ``_fed`` moves each micro-batch to the device when its turn
+    comes, so an accelerator holds one micro-batch's inputs, as the plan counts. (On the CPU the
+    window's inputs share the training memory: the plan sets them aside, training/plan.py.)
     """
     acc, token_steps = accumulator(session), session.token_steps
     steps = token_steps.row_steps(acc.window) if token_steps else acc.steps_for(acc.window)
@@ -177,13 +180,21 @@ def _window_batches(session: Session) -> list[dict[str, torch.Tensor]]:
         micro_batches = split_window(window_batch, token_steps, acc.window)
     else:
         micro_batches = split_batch(window_batch, sizes)
-    return [move_batch(micro, session.device) for micro in micro_batches]
+    return list(micro_batches)
+
+
+def _fed(
+    micro_batches: list[dict[str, torch.Tensor]], device: torch.device
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Each micro-batch on the device when its turn comes, dropped from the list as it goes."""
+    while micro_batches:
+        yield move_batch(micro_batches.pop(0), device)
 
 
 def _run_window(session: Session, micro_batches: list[dict[str, torch.Tensor]]) -> WindowStats:
     acc = accumulator(session)
     stats: WindowStats | None = None
-    for micro in acc.iterate(micro_batches):
+    for micro in acc.iterate(_fed(micro_batches, session.device)):
         with autocast(session):
             loss, tokens = gpt_loss(session.model, micro.batch)
         # A micro-batch of padding only (impossible with ByteBatches' lengths >= 1) still needs items >= 1.

@@ -11,8 +11,10 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from .. import distributed
@@ -114,25 +116,51 @@ def loaded_plan(config: TrainConfig, workload: Workload, path: str) -> Plan:
 def planned(
     config: TrainConfig, workload: Workload, *, memory_bytes: int, progress: PlanProgress | None = None
 ) -> Plan:
-    """The planner's plan for this run's batch, budget and processes; ``progress`` as mb.plan's."""
+    """The planner's plan for this run's batch, budget and processes; ``progress`` as mb.plan's.
+
+    The plan is made for what the loop runs: a GradScaler with fp16. On the CPU the loop's window of
+    micro-batches (drawn at once, loop._window_batches) lives in the budgeted memory while the trial
+    holds one micro-batch: the whole window's inputs are set aside from the budget.
+    """
     policies = None if config.checkpoint_policy == "auto" else [config.checkpoint_policy]
+    world = distributed.world_size()
+    window_bytes = 0
+    if workload.device.type == "cpu":
+        window_bytes = _batch_bytes(workload.make_batch(1)) * (config.batch // world)
     try:
-        return plan(
+        made = plan(
             workload,
             batch=config.batch,
-            memory=memory_bytes,
-            world_size=distributed.world_size(),
+            memory=memory_bytes - window_bytes,
+            world_size=world,
             policies=policies,
             trial=config.trial,
             progress=progress,
+            scaler=config.precision == "fp16",
         )
     except InfeasibleBudgetError as error:
         raise InfeasibleBudgetError(
             f"--memory {format_bytes(memory_bytes)} is below the minimum of "
-            f"{format_bytes(error.minimum_bytes)} for {workload.name}: {error}",
-            minimum_bytes=error.minimum_bytes,
+            f"{format_bytes(error.minimum_bytes + window_bytes)} for {workload.name}: {error}",
+            minimum_bytes=error.minimum_bytes + window_bytes,
             parts=error.parts,
         ) from error
+    if not window_bytes:
+        return made
+    measured = made.measured_peak_bytes
+    return dataclasses.replace(
+        made,
+        budget_bytes=memory_bytes,
+        predicted_peak_bytes=made.predicted_peak_bytes + window_bytes,
+        measured_peak_bytes=measured + window_bytes if measured is not None else None,
+        peak_parts=(*made.peak_parts, ("a window's inputs, drawn at once", window_bytes)),
+    )
+
+
+def _batch_bytes(batch: Any) -> int:
+    """Bytes of the tensors in a batch (any nesting of lists, tuples and dicts)."""
+    leaves = pytree.tree_leaves(batch)
+    return sum(leaf.numel() * leaf.element_size() for leaf in leaves if isinstance(leaf, torch.Tensor))
 
 
 def choose_plan(

@@ -1,0 +1,124 @@
+"""``PlanOptions``: everything ``plan()`` may be told besides the workload, the batch and the budget.
+
+One frozen dataclass holds every option with its default and its check (torchtitan's config style):
+``mb.plan(workload, batch=64, memory="8GiB", trial=False)`` builds ``PlanOptions(trial=False)``,
+and ``mb.plan(workload, batch=64, memory="8GiB", options=PlanOptions(...))`` passes one directly.
+A keyword that is not a field is refused, naming it and the fields there are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..checkpointing.api import BlockSpec
+from ..errors import ConfigError
+from ..profile import Profile, ProgressFn
+from .applying import GRADIENT_SYNCS
+
+DEFAULT_MAX_TRIALS = 6
+DEFAULT_MAX_PROFILE_SIZE = 16
+SHARDS = ("none", "ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How ``plan()`` profiles, searches and proves; each field's default is the usual choice.
+
+    The budget: peak live tensor bytes on the CPU; on CUDA peak reserved bytes of the caching
+    allocator plus what is measured outside it (see planner.reserve).
+    """
+
+    # Ranks the batch is split across (batch must divide by it); each rank gets the same plan.
+    world_size: int = 1
+    # Which blocks may be checkpointed ("auto": found) and how (None: none, full, selective, plus
+    # offload on accelerators).
+    blocks: BlockSpec = "auto"
+    policies: Sequence[str] | None = None
+    # A profile from profile_workload to reuse instead of profiling.
+    profile: Profile | None = None
+    # Prove the plan in one real window (recommended; False trusts the model).
+    trial: bool = True
+    # Trials before the planner gives up (InfeasibleBudgetError).
+    max_trials: int = DEFAULT_MAX_TRIALS
+    # The largest micro-batch profiled; by default 16, extended to the micro-batch the search
+    # chooses when that is larger (profiled before it is trusted).
+    max_profile_micro_batch_size: int | None = None
+    # Called as progress(what, done, total) while profiling runs and once per trial window (total 1).
+    progress: ProgressFn | None = None
+    # With world_size > 1 the plan counts DDP's gradient buckets, a second copy of the gradients,
+    # unless DDP will run with gradient_as_bucket_view=True.
+    gradient_as_bucket_view: bool = False
+    # How the batch may be split (planner/rules.py).
+    min_micro_batch_size: int = 1
+    even: bool = False
+    prefer_large_micro_batches: bool = False
+    # A torch device (profile there for real) or a DeviceSpec / preset name (simulate).
+    device: Any = None
+    # Predict under fake tensors, no kernel run and no trial (planner/simulated.py).
+    simulate: bool = False
+    # none, ddp or fsdp across world_size ranks (per-rank memory, planner/ranks.py).
+    shard: str = "none"
+    # Options that change memory, so the profile and the trial run with them and plan.apply holds to
+    # them (planner/applying.py): low-precision gradients summed in this dtype (Accumulator's
+    # accumulate_dtype), a GradScaler stepping the window, and under shard="fsdp" the gradient sync:
+    # "window" (reduce-scatter once, unsharded gradients held), "micro-batch" (every backward), or
+    # None: the faster plan that fits of the two (planner/ranks.py).
+    accumulate_dtype: torch.dtype | None = None
+    scaler: bool = False
+    gradient_sync: str | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("world_size", self.world_size)
+        _positive_int("max_trials", self.max_trials)
+        _positive_int("min_micro_batch_size", self.min_micro_batch_size)
+        if self.max_profile_micro_batch_size is not None:
+            _positive_int("max_profile_micro_batch_size", self.max_profile_micro_batch_size)
+        if self.shard not in SHARDS:
+            raise ConfigError(f"shard={self.shard!r}: choose one of {', '.join(SHARDS)}")
+        if self.gradient_sync not in (None, *GRADIENT_SYNCS):
+            raise ConfigError(
+                f"gradient_sync={self.gradient_sync!r}: choose one of {', '.join(GRADIENT_SYNCS)}, or None "
+                "(the planner chooses)"
+            )
+        if self.accumulate_dtype is not None and not (
+            isinstance(self.accumulate_dtype, torch.dtype) and self.accumulate_dtype.is_floating_point
+        ):
+            raise ConfigError(
+                "accumulate_dtype must be a floating torch.dtype such as torch.float32, "
+                f"got {self.accumulate_dtype!r}"
+            )
+        names = (
+            "trial",
+            "gradient_as_bucket_view",
+            "even",
+            "prefer_large_micro_batches",
+            "simulate",
+            "scaler",
+        )
+        for name in names:
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    @classmethod
+    def of(cls, options: PlanOptions | None, keywords: Mapping[str, Any]) -> PlanOptions:
+        """``options`` (or the defaults) with ``keywords`` replacing fields; unknown keywords refused."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(keywords) - set(names))
+        if unknown:
+            raise ConfigError(
+                f"plan() got unknown option(s) {', '.join(unknown)}; the options are: {', '.join(names)}"
+            )
+        base = options if options is not None else cls()
+        if not isinstance(base, PlanOptions):
+            raise ConfigError(f"options must be a PlanOptions, got {type(base).__name__}")
+        return dataclasses.replace(base, **keywords) if keywords else base
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
