@@ -22,7 +22,11 @@ from microbatch.training import TrainConfig, train
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 EXACT_FIELDS = ("step", "loss", "items", "lr", "grad_norm", "skipped", "micro_batches")
-RUN_FILES = ("metrics.jsonl", "plan.json", "loss.png", "summary.json", "checkpoint.pt", "config.json")
+# A run's own files, with the ownership marker and the writer's lock (training/ownership.py).
+RUN_FILES = (
+    "metrics.jsonl", "plan.json", "loss.png", "summary.json", "checkpoint.pt", "config.json",
+    ".microbatch-run.json", ".microbatch.lock",
+)  # fmt: skip
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
