@@ -141,6 +141,7 @@ def test_resume_gives_the_same_metrics_and_parameters(
     assert code == 0, err
     whole_metrics, resumed_metrics = read_metrics(whole), read_metrics(first_half)
     assert len(resumed_metrics) == 6
+    assert all(record["peak_bytes"] > 0 for record in resumed_metrics)  # measured from the resumed step on
     for a, b in zip(whole_metrics, resumed_metrics, strict=True):
         assert {k: a[k] for k in EXACT_FIELDS} == {k: b[k] for k in EXACT_FIELDS}
     whole_state, resumed_state = model_state(whole), model_state(first_half)

@@ -59,9 +59,10 @@ class PeakMemory:
     """Peak bytes of each optimizer step.
 
     CUDA: the allocator's max_memory_allocated, every step. Elsewhere: MemoryTracker's peak live
-    tensor bytes on the first two steps (the first creates the optimizer state) and every ``every``
-    steps only, because tracking costs 15-30 % of a CPU step; a step that is not measured reports
-    the latest measurement (``measured`` False).
+    tensor bytes on the first two steps (the first creates the optimizer state), on the first step
+    of a resumed process (else it would report 0 B until the next multiple of ``every``) and every
+    ``every`` steps only, because tracking costs 15-30 % of a CPU step; a step that is not measured
+    reports the latest measurement (``measured`` False).
     """
 
     def __init__(self, session: Session, *, every: int) -> None:
@@ -80,7 +81,7 @@ class PeakMemory:
             yield
             self.last_bytes, self.measured = int(torch.cuda.max_memory_allocated(device)), True
             self.measured_step = step
-        elif step <= 2 or step % self.every == 0:
+        elif step <= 2 or self.measured_step is None or step % self.every == 0:
             with MemoryTracker(
                 device, model=self.session.raw_model, optimizer=self.session.optimizer
             ) as tracker:
