@@ -35,3 +35,16 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> Iterator[None]:
+    """Accelerate keeps its state in process-wide singletons (an HF Trainer with gradient
+    accumulation leaves GradientState accumulating, and a later Accelerator's optimizer then skips
+    steps): every test starts from none."""
+    yield
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState
+
+        GradientState._reset_state()
+        AcceleratorState._reset_state(reset_partial_state=True)
