@@ -338,9 +338,9 @@ LIBRARY_CASES: dict[str, tuple[str, str]] = {
         from microbatch.planner import trial
         from microbatch.workload import seed_linear
         real = trial.run_trial
-        def fake(w, c):
+        def fake(w, c, **options):
             if c.micro_batch_size > 1: raise torch.OutOfMemoryError("simulated")
-            return real(w, c)
+            return real(w, c, **options)
         trial.run_trial = fake
         try:
             p = mb.plan(seed_linear(), batch=32, memory="64MiB")
