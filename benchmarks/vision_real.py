@@ -48,6 +48,7 @@ from microbatch.checkpointing.auto_blocks import describe_blocks
 from microbatch.memory import format_bytes
 from microbatch.planner.search import Model
 from microbatch.profile import NONE, profile_workload
+from microbatch.trees.batches import micro_batch_sizes
 
 try:
     import torchvision
@@ -175,7 +176,7 @@ def _resized(batch: tuple[torch.Tensor, torch.Tensor], image: int) -> tuple[torc
 
 
 def _sizes(size: int) -> tuple[int, ...]:
-    return tuple([size] * (BATCH // size) + ([BATCH % size] if BATCH % size else []))
+    return tuple(micro_batch_sizes(BATCH, size))
 
 
 class Runner:

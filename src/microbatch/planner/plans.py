@@ -8,7 +8,6 @@ comes back with ``Plan.load`` (the JSON of ``plan.save``, also each run folder's
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -21,7 +20,7 @@ from ..accumulate.accumulator import Accumulator
 from ..checkpointing.api import CheckpointHandle, checkpoint
 from ..errors import ConfigError
 from ..memory import format_bytes
-from ..trees.batches import split_batch
+from ..trees.batches import micro_batch_sizes, split_batch
 from ..trees.modules import unwrap_compiled
 from . import applying
 from .applying import inner_model
@@ -319,8 +318,8 @@ class Plan:
             raise ConfigError(f"batch_size={batch_size} is not divisible by world_size={world_size}")
         per_rank = batch_size // world_size
         size = min(micro_batch_size, per_rank)
-        steps = math.ceil(per_rank / size)
-        sizes = tuple([size] * (steps - 1) + [per_rank - size * (steps - 1)])
+        sizes = tuple(micro_batch_sizes(per_rank, size))
+        steps = len(sizes)
         return cls(
             workload=workload,
             batch_size=batch_size,
