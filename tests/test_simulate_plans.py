@@ -26,6 +26,7 @@ NAMES = (
     "llama-3.2-1b",
     "llama-3.2-3b",
     "llama-3.1-8b",
+    "llama-3.1-70b",
     "qwen2.5-0.5b",
     "qwen2.5-7b",
     "mistral-7b",
@@ -39,6 +40,7 @@ def test_embedded_architectures_have_their_published_sizes() -> None:
         "gpt2": 0.124,
         "llama-3.2-1b": 1.24,
         "llama-3.1-8b": 8.03,
+        "llama-3.1-70b": 70.55,  # 70,553,706,496: the model card's 70.6B
         "qwen2.5-0.5b": 0.494,
         "mistral-7b": 7.24,
     }

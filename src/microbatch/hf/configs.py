@@ -72,6 +72,16 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "vocab_size": 128256,
         "tie_word_embeddings": False,
     },
+    "llama-3.1-70b": {
+        **_LLAMA,
+        "num_hidden_layers": 80,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+    },
     "qwen2.5-0.5b": {
         **_QWEN,
         "num_hidden_layers": 24,
