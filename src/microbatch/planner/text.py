@@ -116,6 +116,7 @@ def plan_text(plan: Plan) -> str:
         f"  predicted {plan.predicted_seconds_per_step:.3g} s per optimizer step, "
         f"{plan.samples_per_second:.1f} samples/s",
         *token_line,
+        *pipeline_lines(plan),
         "  peak = " + " + ".join(f"{name} {format_bytes(v)}" for name, v in plan.peak_parts if v),
         "",
         f"  {'block':<{BLOCK_COLUMN}} policy",
@@ -125,6 +126,27 @@ def plan_text(plan: Plan) -> str:
         *(f"note: {note}" for note in plan.notes),
     ]
     return "\n".join(lines)
+
+
+def pipeline_lines(plan: Plan) -> list[str]:
+    """A pipeline plan's layout, schedule and per-stage peaks (predicted, and measured on the ranks)."""
+    stages = plan.pipeline_stages
+    if stages <= 1:
+        return []
+    m = plan.pipeline_micro_batches
+    per_window = -(-plan.steps // m)
+    lines = [
+        f"  pipeline: {stages} stages x {plan.world_size} replica(s) = {stages * plan.world_size} ranks, "
+        f"{plan.pipeline_schedule}, {m} micro-batches per pipeline step, {per_window} step(s) per window, "
+        f"bubble {plan.bubble_fraction:.0%}"
+    ]
+    starts = ["(first block)", *plan.stage_starts]
+    measured = plan.measured_stage_peak_bytes
+    for s in range(stages):
+        peak = format_bytes(plan.stage_peak_bytes[s]) if plan.stage_peak_bytes else "?"
+        seen = f", measured {format_bytes(measured[s])}" if measured else ""
+        lines.append(f"    stage {s} from {starts[s]}: predicted peak {peak}{seen}")
+    return lines
 
 
 def report_lines(plan: Plan) -> list[str]:
