@@ -355,6 +355,11 @@ def _check_options(num_stages: int, micro_batches: int, schedule: str, virtual_s
         raise ConfigError(
             f"micro_batches (per pipeline step) must be a positive integer, got {micro_batches!r}"
         )
+    if schedule == "1f1b" and micro_batches < num_stages:
+        raise ConfigError(
+            f"schedule='1f1b' needs micro_batches >= num_stages ({micro_batches} < {num_stages}: torch's "
+            "Schedule1F1B refuses fewer); use more micro-batches per pipeline step, or schedule='gpipe'"
+        )
     if schedule == "interleaved-1f1b" and (not isinstance(virtual_stages, int) or virtual_stages < 2):
         raise ConfigError(
             f"virtual_stages must be an integer >= 2 for interleaved-1f1b, got {virtual_stages!r}"

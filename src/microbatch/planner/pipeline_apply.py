@@ -65,7 +65,7 @@ def build_pipeline(
         example=example,
         loss_fn=loss_fn,
         schedule=plan.pipeline_schedule,
-        blocks=list(plan.stage_starts),
+        blocks=list(plan.stage_starts) or "auto",
         ignore_index=ignore_index,
         prepare_stage=stage_checkpointer(plan.policies) if plan.checkpointed_blocks else None,
         autocast_dtype=autocast_dtype,

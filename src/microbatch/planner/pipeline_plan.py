@@ -41,8 +41,8 @@ from .reserve import BudgetReserve, outside_the_model
 from .rules import SplitRules, profile_with_rules
 from .simulated import profile_for, resolve_target, target_budget
 
-# compare(request, profile) -> the plan without a pipeline on the same ranks, or None when none fits
-Compare = Callable[[PlanRequest, Profile], "Plan | None"]
+# compare(request, profile) -> the plan without a pipeline on the same ranks, or why there is none
+Compare = Callable[[PlanRequest, Profile], "Plan | str"]
 
 
 @dataclass
@@ -214,14 +214,14 @@ def _time_note(chosen: PipelineCandidate) -> str:
     return f"pipeline step time = {parts}"
 
 
-def _comparison_note(chosen: PipelineCandidate, flat: Plan | None, request: PlanRequest) -> str:
+def _comparison_note(chosen: PipelineCandidate, flat: Plan | str, request: PlanRequest) -> str:
     """Whether the pipeline is worth its bubble: the plan without it on the same ranks."""
     world, _ = ranks_of(request)
     shard = request.options.shard
     how = f"{world} ranks, shard {shard}" if shard != "none" else f"{world} data-parallel ranks"
     bubble = f"bubble {chosen.bubble_fraction:.0%}"
-    if flat is None:
-        return f"without a pipeline ({how}) no plan fits the budget: the pipeline is needed ({bubble})"
+    if isinstance(flat, str):
+        return f"without a pipeline ({how}): {flat} ({bubble})"
     ratio = (
         chosen.seconds_per_step / flat.predicted_seconds_per_step if flat.predicted_seconds_per_step else 0.0
     )

@@ -3,9 +3,10 @@
 One replica takes B_r = B / R samples per optimizer step (R = W / S data-parallel replicas), cut into
 N micro-batches of b (the last one padded up to b, as the Pipeline pads it) and run m at a time
 through the schedule: ceil(N / m) pipeline steps per window. For every b (windows.candidate_sizes),
-every m (N, and N halved until 1) and both schedules, the stages are cut where the profile's
-seconds balance (stage_model.balanced_block_cuts) and each stage gets the fastest policy per block
-whose peak fits the budget (stage_model.solve_stage). Step time:
+every m (N, and N halved until 1; 1F1B only with m >= S, as torch requires) and both schedules,
+the stages are cut where the profile's seconds balance (stage_model.balanced_block_cuts) and each
+stage gets the fastest policy per block whose peak fits the budget (stage_model.solve_stage).
+Step time:
 
     seconds = p (m + S - 1) max_s (t_s + 2 send(b)) + max_s (step_s + replicas_s)
 
@@ -258,12 +259,16 @@ def search_pipeline(ctx: PipelineContext, per_replica_batch: int, noise: float =
             continue
         for m in micro_batch_counts(len(sizes)):
             for schedule in ctx.schedules:
+                if schedule == "1f1b" and m < ctx.num_stages:  # torch's Schedule1F1B refuses it
+                    continue
                 candidate = price(ctx, schedule, sizes, m)
                 if candidate is not None:
                     fitting.append(candidate)
     smallest = WindowSizes(per_replica_batch, 1)
-    least = [price(ctx, schedule, smallest, 1, least=True) for schedule in ctx.schedules]
-    minimum = min((c for c in least if c is not None), key=lambda c: c.peak_bytes)
+    # The least memory: micro-batches of 1, one in flight per stage (GPipe with m = 1; 1F1B needs m >= S).
+    least = price(ctx, "gpipe", smallest, 1, least=True)
+    assert least is not None  # least=True always prices
+    minimum = least
     if not fitting:
         return PipelineSearch(None, (), minimum)
     fastest = min(c.seconds_per_step for c in fitting)

@@ -205,8 +205,10 @@ def _pipeline(data: Mapping[str, Any]) -> None:
         if starts or data.get("pipeline_schedule", "") or data.get("pipeline_micro_batches", 0):
             raise _refuse("pipeline_stages", stages, "1 while the plan names pipeline fields")
         return
-    if len(starts) != stages - 1 or len(set(starts)) != len(starts):
-        raise _refuse("stage_starts", starts, f"not {stages - 1} distinct block names for {stages} stages")
+    if len(starts) not in (0, stages - 1) or len(set(starts)) != len(starts):
+        raise _refuse(
+            "stage_starts", starts, f"not {stages - 1} distinct block names for {stages} stages, nor []"
+        )
     if data.get("pipeline_schedule") not in PIPELINE_SCHEDULES:
         raise _refuse(
             "pipeline_schedule",

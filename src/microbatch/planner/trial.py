@@ -38,7 +38,7 @@ from typing import Any
 from .. import distributed
 from ..checkpointing.api import BlockSpec
 from ..checkpointing.compiled import eager_workload
-from ..errors import InfeasibleBudgetError
+from ..errors import InfeasibleBudgetError, MicrobatchError
 from ..memory import format_bytes
 from ..memory.device_specs import DeviceSpec
 from ..memory.oom import attempt
@@ -138,16 +138,20 @@ def plan(
         return _plan(request)
 
 
-def _without_pipeline(request: PlanRequest, profile: Profile) -> Plan | None:
-    """The plan without a pipeline on the same ranks, from the pipeline's profile (no trial)."""
+def _without_pipeline(request: PlanRequest, profile: Profile) -> Plan | str:
+    """The plan without a pipeline on the same ranks, from the pipeline's profile (no trial); or why
+    there is none."""
     world, _ = ranks_of(request)
     options = dataclasses.replace(
         request.options, pipeline=1, pipeline_schedule=None, world_size=world, profile=profile, trial=False
     )
     try:
-        return _plan(dataclasses.replace(request, options=options))
+        with distributed.single_process():
+            return _plan(dataclasses.replace(request, options=options))
     except InfeasibleBudgetError:
-        return None
+        return "no plan fits the budget: the pipeline is needed"
+    except MicrobatchError as error:
+        return f"no such plan ({error})"
 
 
 def _plan(request: PlanRequest) -> Plan:
