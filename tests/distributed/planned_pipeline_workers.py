@@ -7,6 +7,7 @@ micro-batches carry very different token counts (labels -100 past a random lengt
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pipeline_workers as pw
@@ -154,3 +155,19 @@ def four_ranks(budgets: list[str]) -> dict[str, Any]:
 def two_ranks(budgets: list[str], rows: list[int], m: int) -> dict[str, Any]:
     """Every 2-rank scenario in one launch: planned pipelines, checkpointing and AMP in the stages."""
     return {"planned": plan_and_run(budgets, 2), "checkpointed": checkpointed_runs(rows, m)}
+
+
+def train_planned(root: str, memory: str) -> dict[str, Any]:
+    """``microbatch train --pipeline 2 --memory M`` (planned on the ranks), and a bf16 run with
+    --checkpoint-policy full; each rank's summary and the plan."""
+    import os
+
+    from microbatch.training import TrainConfig, train
+
+    base = TrainConfig(model="gpt-nano", batch=8, pipeline=2, steps=3, warmup_steps=1, eval_interval=3)
+    planned = train(dataclasses.replace(base, memory=memory, out=os.path.join(root, "planned")))
+    bf16 = TrainConfig(
+        model="gpt-nano", batch=8, pipeline=2, steps=2, warmup_steps=1, micro_batch=2,
+        precision="bf16", checkpoint_policy="full", out=os.path.join(root, "bf16"),
+    )  # fmt: skip
+    return {"planned": planned.to_dict(), "bf16": train(bf16).to_dict()}

@@ -14,6 +14,10 @@ as max |g - g_ref| / max |g_ref| against the single-process bf16 autocast full b
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
 import planned_pipeline_workers as w
 import pytest
 import torch
@@ -93,3 +97,21 @@ def test_bf16_autocast_in_the_stages_within_the_dtype_tolerance(runs: list[dict]
         for name, grad in rank_run["checkpointed"]["amp"]["grads"].items()
     ]
     assert max(gaps) > 1e-4
+
+
+def test_train_pipeline_with_memory_plans_on_the_ranks_and_keeps_the_budget(tmp_path: Path) -> None:
+    memory = "1.6MiB"
+    runs = launch(w.train_planned, str(tmp_path), memory, world_size=2, timeout_s=900.0)
+    plan = mb.Plan.load(tmp_path / "planned" / "plan.json")
+    assert plan.pipeline_stages == 2 and plan.trials >= 1 and plan.budget_bytes == mb.parse_bytes(memory)
+    for stage, rank_run in enumerate(runs):
+        peak = rank_run["planned"]["peak_bytes"]  # the run's own MemoryTracker, this rank's steps
+        assert peak <= plan.budget_bytes
+        # The plan's trial saw what the run sees, and the prediction is on the safe side of it.
+        assert abs(plan.measured_stage_peak_bytes[stage] - peak) / peak < 0.10, (plan, peak)
+        assert plan.stage_peak_bytes[stage] >= 0.95 * peak
+        assert rank_run["planned"]["steps_done"] == 3 and rank_run["bf16"]["steps_done"] == 2
+    bf16 = mb.Plan.load(tmp_path / "bf16" / "plan.json")
+    assert set(bf16.policies.values()) == {"full"}
+    metrics = [json.loads(line) for line in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(m["loss"]) for m in metrics)

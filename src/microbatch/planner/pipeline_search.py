@@ -44,6 +44,10 @@ from .stage_model import (
 from .windows import WindowSizes, candidate_sizes
 
 SCHEDULES = ("1f1b", "gpipe")
+# torch.distributed.pipelining.stage (2.13): an FSDP2 stage's backwards run with
+# set_reshard_after_backward(False) and set_requires_gradient_sync(False); the step's last action
+# reduce-scatters and reshards. So within a pipeline step a stage's parameters and gradients are whole.
+FSDP_UNSHARDED = "FSDP2 stage parameters, unsharded through the pipeline step"
 
 
 @dataclass(frozen=True)
@@ -145,12 +149,8 @@ def _static_parts(
         ("the window's inputs", ctx.bytes_per_sample * size * (steps + m)),
         ("slack", profile.slack_bytes),
     ]
-    if shards > 1:
-        largest = max((s.gradient_bytes for s in blocks), default=0)
-        parts += [
-            ("FSDP all-gathered parameters (2 blocks in flight)", 2 * largest),
-            ("FSDP reduce-scatter buffer", largest),
-        ]
+    if shards > 1:  # torch's stage keeps an FSDP2 stage unsharded from its first backward to the step's end
+        parts.append((FSDP_UNSHARDED, params.parameter_bytes))
     if ctx.correction(stage):
         parts.append(("trial correction", ctx.correction(stage)))
     return parts, params.trainable_bytes  # gradients unsharded through the pipeline step (torch syncs last)
@@ -211,12 +211,13 @@ def price(
             return None
         choices.append(choice)
         all_parts.append(tuple(parts))
-    seconds, time_parts = step_seconds(ctx, choices, params, cuts, size, m, steps)
+    seconds, time_parts = step_seconds(ctx, schedule, choices, params, cuts, size, m, steps)
     return PipelineCandidate(schedule, sizes, m, cuts, tuple(choices), tuple(all_parts), seconds, time_parts)
 
 
 def step_seconds(
     ctx: PipelineContext,
+    schedule: str,
     choices: Sequence[StageChoice],
     params: Sequence[StageParameters],
     cuts: Sequence[int],
@@ -230,20 +231,24 @@ def step_seconds(
     send = ctx.latency_seconds + boundary / spec.interconnect_bytes_per_second
     slowest = max(choice.seconds for choice in choices) + profile.loop_seconds(size)
     shards = ctx.replicas if ctx.shard == "fsdp" else 1
-    gather = 0.0
-    if shards > 1:  # FSDP inside a stage: its parameters all-gathered for every forward and backward
-        gather = 2 * max(all_gather_seconds(p.parameter_bytes, shards, spec) for p in params)
     slots = pipeline_steps * (m + stages - 1)
     shares = [p.trainable_bytes / max(1, profile.gradient_bytes) for p in params]
     optimizer = profile.step_seconds * max(shares) / shards
+    gather = 0.0
     if shards > 1:
-        replicas = max(all_gather_seconds(p.trainable_bytes, shards, spec) for p in params)
+        # FSDP2 inside a stage (FSDP_UNSHARDED): gathered for each forward before the first backward,
+        # then held; the gradients reduce-scattered once per pipeline step.
+        first = max(in_flight(schedule, stages, m))
+        gather = pipeline_steps * max(
+            (first + 1) * all_gather_seconds(p.parameter_bytes, shards, spec) for p in params
+        )
+        replicas = pipeline_steps * max(all_gather_seconds(p.trainable_bytes, shards, spec) for p in params)
     else:
         replicas = max(all_reduce_seconds(p.trainable_bytes, ctx.replicas, spec) for p in params)
     parts = (
         (f"{slots} slots x slowest stage's micro-batch", slots * slowest),
         (f"{slots} slots x activation and gradient sends", slots * 2 * send if stages > 1 else 0.0),
-        ("FSDP all-gathers", slots * gather),
+        ("FSDP2 all-gathers", gather),
         ("optimizer step", optimizer),
         ("gradients summed over replicas", replicas),
     )
@@ -255,8 +260,6 @@ def search_pipeline(ctx: PipelineContext, per_replica_batch: int, noise: float =
     fitting: list[PipelineCandidate] = []
     for size in candidate_sizes(per_replica_batch):
         sizes = WindowSizes(per_replica_batch, size)
-        if size > per_replica_batch or len(sizes) * size - per_replica_batch >= size:
-            continue
         for m in micro_batch_counts(len(sizes)):
             for schedule in ctx.schedules:
                 if schedule == "1f1b" and m < ctx.num_stages:  # torch's Schedule1F1B refuses it

@@ -393,6 +393,9 @@ class Plan:
         if len(sizes) > 1 and sizes[-1] != sizes[0]:
             split = f"{self.micro_batch_size} x {self.steps - 1} + {sizes[-1]}"
         ranks = f" x {self.world_size} ranks" if self.world_size > 1 else ""
+        if self.pipeline_stages > 1:
+            stages = f"{self.pipeline_stages} stages ({self.pipeline_schedule})"
+            ranks = f" x {self.world_size} replica(s) x {stages}"
         head = (
             f"batch {self.batch_size} = micro-batch {split}{ranks}; {summarize_policies(self.block_policies)}"
         )

@@ -98,6 +98,8 @@ def plan_text(plan: Plan) -> str:
     if len(sizes) > 1 and sizes[-1] != sizes[0]:
         split = f"{plan.micro_batch_size} x {plan.steps - 1} + {sizes[-1]} (steps={plan.steps})"
     ranks = f" x {plan.world_size} ranks" if plan.world_size > 1 else ""
+    if plan.pipeline_stages > 1:
+        ranks = f" x {plan.world_size} replica(s), each {plan.pipeline_stages} pipeline stages"
     head = f"Plan for {plan.workload}: batch {plan.batch_size} = micro-batch {split}{ranks}"
     if plan.source == "manual":
         return "\n".join([f"{head} (manual: nothing predicted)", *block_table(plan.block_policies)])
@@ -155,7 +157,11 @@ def report_lines(plan: Plan) -> list[str]:
     if plan.simulated or plan.shard != "none":
         what = "simulated" if plan.simulated else "profiled"
         where = f"{what} on {plan.device_name}, shard {plan.shard}, {ranks_word(plan.world_size)}"
-        where += f", gradient sync every {plan.gradient_sync}" if plan.shard == "fsdp" else ""
+        if plan.pipeline_stages > 1:
+            ranks = plan.world_size * plan.pipeline_stages
+            where = f"{what} on {plan.device_name}, shard {plan.shard}, {ranks_word(ranks)}, the worst stage"
+        elif plan.shard == "fsdp":
+            where += f", gradient sync every {plan.gradient_sync}"
         lines += ["", f"Per rank ({where}):"]
         lines.extend(f"  {name:<52} {format_bytes(value):>10}" for name, value in plan.rank_parts if value)
     if plan.estimates:

@@ -37,6 +37,8 @@ from ..trees.batches import move_batch, split_batch
 from ..workload import Workload
 from .config import PRECISIONS
 
+WHOLE_MODEL = "the whole model, kept on every rank (evaluation, checkpoints)"
+
 
 def replicas(stages: int) -> int:
     return max(1, distributed.world_size() // stages)
@@ -65,20 +67,37 @@ def pipeline_plan(
     if config.plan is not None:
         return _loaded(config, workload, config.plan)
     if config.memory is not None and config.micro_batch is None:
-        policies = None if config.checkpoint_policy == "auto" else [config.checkpoint_policy]
-        planned: Plan = plan(
-            workload,
-            batch=config.batch,
-            memory=parse_bytes(config.memory, device=device, name="--memory"),
-            pipeline=config.pipeline,
-            pipeline_schedule=config.pipeline_schedule,
-            world_size=distributed.world_size(),
-            policies=policies,
-            trial=config.trial,
-            progress=progress,
-        )
-        return planned
+        return _planned(config, workload, device, progress)
     return _manual(config, workload.model, device)
+
+
+def _planned(config: Any, workload: Workload, device: torch.device, progress: Any) -> Plan:
+    """The planner on every rank, for the budget less the whole model that every rank also keeps
+    (raw_model: evaluation and checkpoints gather the stages into it), which the plan then names."""
+    budget = parse_bytes(config.memory, device=device, name="--memory")
+    whole = sum(p.numel() * p.element_size() for p in workload.model.parameters())
+    policies = None if config.checkpoint_policy == "auto" else [config.checkpoint_policy]
+    made: Plan = plan(
+        workload,
+        batch=config.batch,
+        memory=budget - whole,
+        pipeline=config.pipeline,
+        pipeline_schedule=config.pipeline_schedule,
+        world_size=distributed.world_size(),
+        policies=policies,
+        trial=config.trial,
+        progress=progress,
+    )
+    measured = made.measured_stage_peak_bytes
+    return dataclasses.replace(
+        made,
+        budget_bytes=budget,
+        predicted_peak_bytes=made.predicted_peak_bytes + whole,
+        measured_peak_bytes=made.measured_peak_bytes + whole if made.measured_peak_bytes else None,
+        stage_peak_bytes=tuple(peak + whole for peak in made.stage_peak_bytes),
+        measured_stage_peak_bytes=tuple(peak + whole for peak in measured),
+        peak_parts=(*made.peak_parts, (WHOLE_MODEL, whole)),
+    )
 
 
 def _manual(config: Any, raw_model: nn.Module, device: torch.device) -> Plan:
