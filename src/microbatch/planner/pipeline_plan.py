@@ -19,11 +19,13 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..checkpointing.compiled import eager_workload
+from ..distributed.link import LinkTimes
 from ..errors import ConfigError, InfeasibleBudgetError
 from ..memory import format_bytes
 from ..memory.device_specs import DeviceSpec, devices
@@ -67,8 +69,11 @@ def ranks_of(request: PlanRequest) -> tuple[int, int]:
     return world, world // stages
 
 
-def prepare(request: PlanRequest, corrections: tuple[int, ...] = ()) -> PipelineSetup:
-    """Check the request, profile (or take the profile), and build the search's context."""
+def prepare(
+    request: PlanRequest, corrections: tuple[int, ...] = (), link: LinkTimes | None = None
+) -> PipelineSetup:
+    """Check the request, profile (or take the profile), and build the search's context; ``link``:
+    measured on the ranks (used for a device that is here)."""
     options = request.options
     workload = load_workload(request.workload) if isinstance(request.workload, str) else request.workload
     workload, notes = eager_workload(workload)
@@ -86,14 +91,14 @@ def prepare(request: PlanRequest, corrections: tuple[int, ...] = ()) -> Pipeline
     reserve = outside_the_model(workload, budget_bytes, memory=request.memory, world_size=1)
     bytes_per_sample = check_make_batch(workload, per_replica_batch)
     profile = options.profile or _profile(request, workload, spec, per_replica_batch)
-    link = spec if spec is not None else interconnect_spec(workload.device)[0]
+    interconnect = spec if spec is not None else interconnect_spec(workload.device)[0]
     context = PipelineContext(
         profile=profile,
         model=workload.model,
         num_stages=options.pipeline,
         replicas=replicas,
         capacity_bytes=budget_bytes - reserve.total_bytes,
-        spec=link,
+        spec=interconnect,
         bytes_per_sample=bytes_per_sample,
         output_bytes_per_sample=output_bytes_per_sample(workload, spec),
         shard=options.shard,
@@ -101,6 +106,18 @@ def prepare(request: PlanRequest, corrections: tuple[int, ...] = ()) -> Pipeline
         schedules=(options.pipeline_schedule,) if options.pipeline_schedule else ("1f1b", "gpipe"),
         corrections=corrections,
     )
+    if link is not None and spec is None:
+        context = dataclasses.replace(
+            context,
+            latency_seconds=link.latency_seconds,
+            link_bytes_per_second=link.bytes_per_second,
+            collective_seconds=link.collective_seconds,
+        )
+        notes.append(
+            f"link measured on the ranks: {1e6 * link.latency_seconds:.0f} us + "
+            f"{link.bytes_per_second / 1e9:.2g} GB/s per message, {1e6 * link.collective_seconds:.0f} us per "
+            "small all-reduce"
+        )
     notes += [*profile.notes, *reserve.notes]
     return PipelineSetup(
         workload, profile, spec, reserve, budget_bytes, per_replica_batch, bytes_per_sample, context, notes
@@ -127,8 +144,13 @@ def output_bytes_per_sample(workload: Workload, spec: DeviceSpec | None) -> int:
 
 
 def _profile(request: PlanRequest, workload: Workload, spec: DeviceSpec | None, rows: int) -> Profile:
+    """The profile; on a CPU with one torch thread (each rank of a gloo launch) on the CPU clock,
+    which other jobs on the machine do not slow down (profile/clocks.py)."""
     options = request.options
-    kinds = {"blocks": options.blocks, "policies": options.policies, "progress": options.progress}
+    kinds: dict[str, Any] = {"blocks": options.blocks, "policies": options.policies}
+    kinds["progress"] = options.progress
+    if spec is None and workload.device.type == "cpu" and torch.get_num_threads() == 1:
+        kinds["clock"] = "cpu"
     largest = options.max_profile_micro_batch_size or DEFAULT_MAX_PROFILE_SIZE
     profile_fn = functools.partial(profile_for, spec=spec, real=profile_workload)
     return profile_with_rules(profile_fn, workload, SplitRules(), rows, largest, **kinds)

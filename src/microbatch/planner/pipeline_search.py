@@ -13,7 +13,8 @@ Step time:
 the slowest stage's micro-batch time (forward, backward, recompute, and the activation and gradient
 it sends and receives, interconnect latency + bytes / bandwidth) in each of the m + S - 1 slots of a
 pipeline step (m micro-batches plus the S - 1 of filling and draining: the bubble), then the
-optimizer step and the gradient sum over the replicas of the slowest stage. Ties (predicted times
+optimizer step, the gradient sum over the replicas of the slowest stage, and the window's few small
+collectives (WINDOW_COLLECTIVES). Ties (predicted times
 within the profile's noise, at least search.MIN_TIE_FRACTION) go to less recompute, then 1F1B, then
 the larger micro-batch and m.
 """
@@ -30,12 +31,12 @@ from torch import nn
 from ..memory.device_specs import DeviceSpec
 from ..profile import Profile
 from ..profile.roofline import all_gather_seconds, all_reduce_seconds
-from .pipeline import in_flight
 from .search import MIN_TIE_FRACTION, SAFETY_MARGIN
 from .stage_model import (
     StageChoice,
     StageParameters,
     balanced_block_cuts,
+    in_flight,
     least_stage,
     solve_stage,
     stage_parameters,
@@ -44,6 +45,9 @@ from .stage_model import (
 from .windows import WindowSizes, candidate_sizes
 
 SCHEDULES = ("1f1b", "gpipe")
+# The Pipeline's collectives per window besides the gradients (distributed/pipeline.py): the items
+# over replicas, the loss checks, the tied weights' sum, the gradient norm.
+WINDOW_COLLECTIVES = 4
 # torch.distributed.pipelining.stage (2.13): an FSDP2 stage's backwards run with
 # set_reshard_after_backward(False) and set_requires_gradient_sync(False); the step's last action
 # reduce-scatters and reshards. So within a pipeline step a stage's parameters and gradients are whole.
@@ -66,7 +70,15 @@ class PipelineContext:
     policies: Sequence[str] | None = None
     schedules: Sequence[str] = SCHEDULES
     corrections: tuple[int, ...] = ()  # per stage: bytes a trial measured above the prediction
+    # The link: measured on the ranks (distributed/link.py) when planned there; else the spec's
+    # bandwidth and a nominal latency.
     latency_seconds: float = 50e-6  # one point-to-point message's fixed cost
+    link_bytes_per_second: float | None = None
+    collective_seconds: float = 50e-6  # one small all-reduce
+
+    @property
+    def bandwidth(self) -> float:
+        return self.link_bytes_per_second or self.spec.interconnect_bytes_per_second
 
     def correction(self, stage: int) -> int:
         return self.corrections[stage] if stage < len(self.corrections) else 0
@@ -228,7 +240,7 @@ def step_seconds(
     """The module docstring's step time, and its parts."""
     profile, spec, stages = ctx.profile, ctx.spec, ctx.num_stages
     boundary = max((profile.blocks[cut - 1].boundary_bytes(size) for cut in cuts), default=0.0)
-    send = ctx.latency_seconds + boundary / spec.interconnect_bytes_per_second
+    send = ctx.latency_seconds + boundary / ctx.bandwidth
     slowest = max(choice.seconds for choice in choices) + profile.loop_seconds(size)
     shards = ctx.replicas if ctx.shard == "fsdp" else 1
     slots = pipeline_steps * (m + stages - 1)
@@ -251,6 +263,7 @@ def step_seconds(
         ("FSDP2 all-gathers", gather),
         ("optimizer step", optimizer),
         ("gradients summed over replicas", replicas),
+        (f"{WINDOW_COLLECTIVES} small collectives", WINDOW_COLLECTIVES * ctx.collective_seconds),
     )
     return sum(value for _, value in parts), parts
 

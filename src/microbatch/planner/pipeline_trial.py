@@ -1,11 +1,13 @@
 """A pipeline plan proved on its ranks: every rank runs its own stage of one trial window.
 
-Under torchrun with the pipeline's W ranks, every rank calls ``mb.plan(..., pipeline=S)``. Rank 0
-profiles and searches (pipeline_plan.py) and sends the plan to every rank; each rank builds the
-plan's Pipeline from its own copy of the model (the same on every rank), creates its stage's
-optimizer state, and runs one window (two pipeline steps at most: from the second one on every
-backward starts from the same live memory) and the optimizer step under a MemoryTracker. The ranks'
-peaks are gathered; each stage's is its worst replica's. Then, as for every plan (trial.py):
+Under torchrun with the pipeline's W ranks, every rank calls ``mb.plan(..., pipeline=S)``. The ranks
+measure their link (distributed/link.py: a point-to-point message's latency and bandwidth, a small
+all-reduce's time), then rank 0 profiles and searches (pipeline_plan.py) and sends the plan to every
+rank; each rank builds the plan's Pipeline from its own copy of the model (the same on every rank),
+creates its stage's optimizer state, and runs one window (two pipeline steps at most: from the
+second one on every backward starts from the same live memory) and the optimizer step under a
+MemoryTracker. The ranks' peaks are gathered; each stage's is its worst replica's. Then, as for
+every plan (trial.py):
 
 - every stage within the budget: done; the plan holds predicted and measured peaks per stage;
 - a stage over it: that stage's predictions get the difference added (a correction per stage) and
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import distributed
+from ..distributed.link import LinkTimes, measure_link
 from ..errors import ConfigError, InfeasibleBudgetError, WorkloadError
 from ..memory import MemoryTracker, format_bytes
 from ..workload import Workload, load_workload
@@ -44,8 +47,9 @@ def plan_pipeline(request: PlanRequest, compare: pipeline_plan.Compare | None) -
     world, _ = pipeline_plan.ranks_of(request)
     on_ranks = distributed.is_initialized() and distributed.world_size() == world
     corrections: tuple[int, ...] = ()
+    link = measure_link(_workload(request).device) if on_ranks and world > 1 else None
     for trial in range(1, request.options.max_trials + 1):
-        decide = functools.partial(_predicted, request, corrections, began, compare)
+        decide = functools.partial(_predicted, request, corrections, began, compare, link)
         plan = _decided_on_rank_zero(decide, on_ranks)
         if plan.simulated or not request.options.trial or not on_ranks:
             if request.options.trial and not plan.simulated:
@@ -73,10 +77,14 @@ def _corrected(corrections: tuple[int, ...], measured: tuple[int, ...], plan: Pl
 
 
 def _predicted(
-    request: PlanRequest, corrections: tuple[int, ...], began: float, compare: pipeline_plan.Compare | None
+    request: PlanRequest,
+    corrections: tuple[int, ...],
+    began: float,
+    compare: pipeline_plan.Compare | None,
+    link: LinkTimes | None,
 ) -> Plan:
     with distributed.single_process():
-        setup = pipeline_plan.prepare(request, corrections)
+        setup = pipeline_plan.prepare(request, corrections, link)
         result = pipeline_plan.search(setup)
         return pipeline_plan.plan_of(setup, request, result, began=began, compare=compare)
 

@@ -17,7 +17,7 @@ For stage s with a policy per block, at micro-batch size b (the Profile's fits):
               with G_k the stage's gradients that exist while segment k runs
     t_s       its segments' forward + backward seconds, and the recomputed forwards
 
-A schedule keeps up to k_s micro-batches in flight on stage s (pipeline.in_flight: GPipe m, 1F1B
+A schedule keeps up to k_s micro-batches in flight on stage s (in_flight: GPipe m, 1F1B
 min(m, S - s)), so the stage peaks at a backward:
 
     peak_s = fixed_s + max((k_s - 1) kept_s + chain_s(first),         the window's first backward:
@@ -48,6 +48,17 @@ from ..profile.costs import SegmentProfile
 from .search import RECOMPUTE_FLOOR
 
 MAX_STATES = 2048  # partial choices kept per block by the per-stage solver (thinned above it)
+
+
+def in_flight(schedule: str, num_stages: int, micro_batches: int) -> tuple[int, ...]:
+    """Micro-batches whose activations stage s holds at once: GPipe all m (every forward before any
+    backward); 1F1B min(m, S - s) (stage s runs S - s forwards before its first backward, then one
+    forward per backward; Narayanan et al. 2021, PipeDream-Flush)."""
+    if schedule == "gpipe":
+        return tuple(micro_batches for _ in range(num_stages))
+    if schedule == "1f1b":
+        return tuple(min(micro_batches, num_stages - s) for s in range(num_stages))
+    raise ConfigError(f"schedule must be gpipe or 1f1b for a prediction, got {schedule!r}")
 
 
 def stage_segments(profile: Profile, cuts: Sequence[int]) -> list[list[int]]:
