@@ -155,9 +155,14 @@ def timing_rank(config: dict[str, Any]) -> dict[str, Any]:
     cases = []
     for memory, schedule in config["cases"]:
         plan = mb.plan(
-            workload, batch=config["batch"], memory=memory, pipeline=world, world_size=world,
-            pipeline_schedule=schedule, profile=profile,
-        )  # fmt: skip
+            workload,
+            batch=config["batch"],
+            memory=memory,
+            pipeline=world,
+            world_size=world,
+            pipeline_schedule=schedule,
+            profile=profile,
+        )
         cases.append({"plan": plan.to_dict(), **run_windows(plan, workload, config["windows"])})
     link = measure_link()
     return {"cases": cases, "link": [link.latency_seconds, link.bytes_per_second, link.collective_seconds]}
