@@ -465,7 +465,9 @@ def _simulated_lines(report: dict[str, Any]) -> list[str]:
         "",
         results.markdown_table(["stage", "from", "predicted peak"], stages),
         "",
-        f"{step}. {verdict}.",
+        f"{step}. {verdict}. (The note prices the plan without a pipeline from the pipeline's profile, "
+        "micro-batches up to 16 per replica's 64 rows; the table's FSDP 64 row is its own plan, profiled up "
+        "to the 8 rows per rank, hence the small difference in its peak.)",
         "",
     ]
 

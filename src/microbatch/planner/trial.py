@@ -145,6 +145,10 @@ def _without_pipeline(request: PlanRequest, profile: Profile) -> Plan | str:
     options = dataclasses.replace(
         request.options, pipeline=1, pipeline_schedule=None, world_size=world, profile=profile, trial=False
     )
+    quiet = [logging.getLogger(name) for name in ("microbatch.planner.trial", "microbatch.planner.simulated")]
+    levels = [log.level for log in quiet]
+    for log in quiet:  # its choice is not the plan's: said once, in the pipeline plan's note
+        log.setLevel(logging.WARNING)
     try:
         with distributed.single_process():
             return _plan(dataclasses.replace(request, options=options))
@@ -152,6 +156,9 @@ def _without_pipeline(request: PlanRequest, profile: Profile) -> Plan | str:
         return "no plan fits the budget: the pipeline is needed"
     except MicrobatchError as error:
         return f"no such plan ({error})"
+    finally:
+        for log, level in zip(quiet, levels, strict=True):
+            log.setLevel(level)
 
 
 def _plan(request: PlanRequest) -> Plan:
