@@ -43,6 +43,11 @@ class Workload:
     max_length: set when samples vary in length (at most ``max_length`` tokens) and ``make_batch(b)``
         pads b rows to ``max_length`` (the worst case): the planner then also reports a token budget,
         ``Plan.max_tokens``, for micro-batches split with ``split_by_tokens`` (see planner/tokens.py).
+    pipeline_inputs, pipeline_loss: what ``plan(..., pipeline=S)`` and its trial on the ranks need to
+        cut the model into stages: ``pipeline_inputs(batch) -> (inputs, labels)`` (the one tensor the
+        first stage takes, the labels the last stage's loss takes) and
+        ``pipeline_loss(output, labels) -> (loss, items)``, with ``loss(model, batch)`` equal to
+        ``pipeline_loss(model(inputs), labels)``.
     """
 
     model: nn.Module
@@ -52,6 +57,8 @@ class Workload:
     name: str = "workload"
     description: str = ""
     max_length: int | None = None
+    pipeline_inputs: Callable[[Any], tuple[torch.Tensor, torch.Tensor]] | None = None
+    pipeline_loss: Callable[[Any, torch.Tensor], tuple[torch.Tensor, Any]] | None = None
 
     def make_optimizer(self) -> torch.optim.Optimizer:
         """A new optimizer for the model, with empty state (never the user's instance itself)."""

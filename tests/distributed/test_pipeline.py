@@ -122,20 +122,7 @@ def test_clear_errors_on_every_rank(runs: list[dict]) -> None:
         assert "more than the example's 3" in errors["too_many_rows"]
 
 
-def test_predicted_stage_peaks_against_each_rank_measured(runs: list[dict]) -> None:
-    from microbatch.planner.pipeline import predict_pipeline, profile_stages
-
-    torch.manual_seed(0)
-    data = w.memory_batches()
-    costs = profile_stages(
-        w.GPT(w.MEMORY_CONFIG), num_stages=2, example=data[0][0], labels=data[0][1], loss_fn=w.token_loss
-    )
-    for schedule in ("gpipe", "1f1b"):
-        predicted = predict_pipeline(costs, micro_batches=w.MEMORY_M, schedule=schedule).peak_bytes
-        measured = [rank_run["peaks"][schedule] for rank_run in runs]
-        errors = [abs(p - m) / m for p, m in zip(predicted, measured, strict=True)]
-        # Measured here: GPipe within 1.0 %, 1F1B within 7.3 % (its steady state holds some bytes the
-        # model does not count yet); the bound is 10 %.
-        assert max(errors) < (0.02 if schedule == "gpipe" else 0.10), (schedule, predicted, measured)
-    # 1F1B holds fewer micro-batches than GPipe on every stage, and the measurement shows it.
+def test_one_f_one_b_holds_less_than_gpipe_on_every_rank(runs: list[dict]) -> None:
+    # 1F1B holds fewer micro-batches than GPipe on every stage, and the measurement shows it. (The
+    # planner's per-stage prediction against each rank: test_pipeline_planned.py.)
     assert all(r["peaks"]["1f1b"] < r["peaks"]["gpipe"] for r in runs)

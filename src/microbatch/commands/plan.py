@@ -48,7 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "--world-size > 1 DDP's gradient buckets count too"
         ),
     )
-    parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    parser.add_argument(
+        "--world-size", type=int, default=1, help="ranks (default 1); with --pipeline S: W / S replicas of S"
+    )
+    _add_pipeline_arguments(parser)
     parser.add_argument(
         "--blocks",
         default="auto",
@@ -81,6 +84,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         metavar="PLAN.json",
         help="save the plan (Plan.load reads it; microbatch train --plan PLAN.json uses it)",
+    )
+
+
+def _add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--pipeline",
+        type=int,
+        default=1,
+        metavar="S",
+        help="cut the model into S pipeline stages (schedule, micro-batches per step and cuts planned)",
+    )
+    parser.add_argument(
+        "--pipeline-schedule",
+        choices=("1f1b", "gpipe"),
+        default=None,
+        help="--pipeline: this schedule only (default: the planner compares both)",
     )
 
 
@@ -124,7 +143,7 @@ def _architecture(args: argparse.Namespace, policies: list[str] | None, progress
     )
     spec = device_spec(args.device)
     target_budget(args.memory, spec, None)  # a budget the preset cannot hold: refused before simulating
-    per_rank = max(1, args.batch // max(1, args.world_size))
+    per_rank = max(1, args.batch // max(1, args.world_size // max(1, args.pipeline)))
     # Identical layers with three options each cost the exact solver O(L^2) partial plans per
     # layer; none and full keep it O(L). --policies none,full,selective adds selective.
     policies = policies if policies is not None else ["none", "full"]
@@ -205,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
             simulate=args.simulate,
             shard=args.shard,
             gradient_sync=args.gradient_sync,
+            pipeline=args.pipeline,
+            pipeline_schedule=args.pipeline_schedule,
         )
     finally:
         if progress is not None:

@@ -4,7 +4,8 @@
 ``sync``: DDP / FSDP2 gradient sync switched per micro-batch; ``collectives``: control numbers
 summed or maxed over ranks; ``pipeline``: a model cut into stages over the ranks (``Pipeline``, on
 torch.distributed.pipelining) with exact item-weighted windows, ``stages`` (the DP x PP layout and
-where to cut) and ``stage_grads`` (sums over replicas and tied copies, the global norm). ``launch`` (not
+where to cut) and ``stage_grads`` (sums over replicas and tied copies, the global norm); ``link`` measures the
+ranks' point-to-point latency and bandwidth for the pipeline planner. ``launch`` (not
 re-exported) starts N local processes for tests and benchmarks; users launch with torchrun.
 
 May import: ``errors``, ``trees``. Invariant: every collective runs on every rank at the same

@@ -18,6 +18,7 @@ copies (stage_grads), and clipped on the norm of the whole model's gradient.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -67,6 +68,10 @@ class Pipeline:
     are counted from the labels (not ``ignore_index``) on every rank before the step.
     ``micro_batches``: micro-batches per pipeline step (the schedule's m). ``blocks``: "auto" or the
     names of the modules where stages 1..S-1 begin; ``block_costs`` balances "auto" by seconds.
+    ``prepare_stage(stage_module)`` is called on each of this rank's stage modules once it is cut
+    (e.g. ``lambda m: mb.checkpoint(m, policy={"blocks.3": "full"})``: a stage module keeps the
+    model's module names); ``autocast_dtype`` runs every forward and loss under
+    ``torch.autocast(device, dtype)`` (bfloat16 on the CPU; backward in the dtypes the forward chose).
     """
 
     def __init__(
@@ -82,10 +87,17 @@ class Pipeline:
         block_costs: Mapping[str, float] | None = None,
         virtual_stages: int = 2,
         ignore_index: int = -100,
+        prepare_stage: Callable[[nn.Module], Any] | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         _check_options(num_stages, micro_batches, schedule, virtual_stages)
         _check_model(model)
         self.layout: PipelineLayout = pipeline_layout(num_stages)
+        if schedule == "1f1b" and micro_batches < num_stages:  # after the layout: its error comes first
+            raise ConfigError(
+                f"schedule='1f1b' needs micro_batches >= num_stages ({micro_batches} < {num_stages}: torch's "
+                "Schedule1F1B refuses fewer); use more micro-batches per pipeline step, or schedule='gpipe'"
+            )
         self.schedule_name = schedule
         self.micro_batches = micro_batches
         self.ignore_index = ignore_index
@@ -94,7 +106,13 @@ class Pipeline:
         per_rank = virtual_stages if schedule == "interleaved-1f1b" else 1
         self.stage_indices = [self.layout.stage_index + k * num_stages for k in range(per_rank)]
         self.stage_starts = stage_starts(model, num_stages * per_rank, blocks, block_costs=block_costs)
+        self._check_same_cuts()
         self.modules, self._stages, self._tied = self._build(model, num_stages * per_rank)
+        self.autocast_dtype = autocast_dtype
+        self.prepared = [prepare_stage(module) for module in self.modules] if prepare_stage else []
+        if autocast_dtype is not None:
+            for module in self.modules:
+                _autocast_forward(module, example.device.type, autocast_dtype)
         self._schedule = self._make_schedule()
         self._global_items = 1.0
         self._loss_sum = 0.0
@@ -102,6 +120,20 @@ class Pipeline:
         self._bad_loss = False
 
     # ------------------------------------------------------------------ building
+
+    def _check_same_cuts(self) -> None:
+        """Every rank of the pipeline must cut at the same blocks, or a block would run twice (or never)."""
+        group = self.layout.pipe_group
+        if group is None:
+            return
+        seen: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(seen, list(self.stage_starts), group=group)
+        if any(cuts != seen[0] for cuts in seen):
+            raise ConfigError(
+                f"the pipeline's ranks cut the model at different blocks ({seen}); pass the same "
+                "blocks=[...] on every rank (a cut balanced by measured block_costs differs from rank "
+                "to rank: measure on one rank and send its choice)"
+            )
 
     def _build(self, model: nn.Module, total_stages: int) -> tuple[list[nn.Module], list[Any], list[Any]]:
         from torch.distributed.pipelining import SplitPoint, pipeline
@@ -115,6 +147,8 @@ class Pipeline:
                 f"{self.stage_starts} must be modules the forward calls once, in order"
             )
         every_module = [pipe.get_stage_module(i) for i in range(total_stages)]
+        for module in every_module:
+            _generated_code_(module)
         stages = [pipe.build_stage(i, device, group=self.layout.pipe_group) for i in self.stage_indices]
         size = self.layout.num_stages
         tied = tied_sets(
@@ -160,12 +194,15 @@ class Pipeline:
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss for one micro-batch: mean_i * items_i / global_items (see the top)."""
-        result = self._loss_fn(output, target)
+        with self._autocast():
+            result = self._loss_fn(output, target)
         if not (isinstance(result, tuple) and len(result) == 2):
             # Raising here would leave the other stages waiting; the window's end raises on every rank.
             self._bad_loss = True
             return output.sum() * 0.0
         mean, items = result
+        if mean.dtype in (torch.bfloat16, torch.float16):  # an autocast loss: weighted in float32
+            mean = mean.float()
         weighted = mean * items
         self._loss_sum += float(weighted.detach())
         self._items_seen += float(items)
@@ -222,6 +259,11 @@ class Pipeline:
         target = labels if self.has_last_stage else None
         self._schedule.step(*args, target=target, return_outputs=False)
 
+    def _autocast(self) -> Any:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self._example.device.type, dtype=self.autocast_dtype)
+
     def _sum_over_replicas(self, value: float) -> float:
         if self.layout.stage_group is None:
             return value
@@ -276,6 +318,32 @@ class Pipeline:
     def _empty(self, like: Batch) -> Batch:
         """A micro-batch of padding alone (weight 0): fills the last pipeline step of a window."""
         return torch.zeros_like(like[0]), torch.full_like(like[1], self.ignore_index)
+
+
+def _generated_code_(stage: nn.Module) -> None:
+    """Run the traced stage's submodules as the Python code fx generates, not through fx's Interpreter.
+
+    torch's tracer rebuilds each submodule as an ``InterpreterModule`` that executes its graph node by
+    node in ``torch.fx.Interpreter`` unless ``_run_with_interpreter`` is off, when it calls the
+    GraphModule's generated forward instead (torch/export/unflatten.py): the same operations, without
+    the interpreter's Python work per node (measured here: a traced GPT stage's forward + backward took
+    1.26x the eager model's time under the interpreter).
+    """
+    for module in stage.modules():
+        if hasattr(module, "_run_with_interpreter"):
+            module.__dict__["_run_with_interpreter"] = False
+
+
+def _autocast_forward(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """``module``'s forward run under autocast: the schedule calls each stage's forward alone, and
+    its backward runs outside autocast (torch's rule: autocast the forward and the loss only)."""
+    forward = module.forward
+
+    def autocast_forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, dtype=dtype):
+            return forward(*args, **kwargs)
+
+    module.__dict__["forward"] = autocast_forward
 
 
 def _check_model(model: nn.Module) -> None:

@@ -31,6 +31,16 @@ def gpt_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Te
     return token_loss(model(batch["input_ids"]), batch["labels"], ignore_index=IGNORE_INDEX)
 
 
+def gpt_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GPT batch as a pipeline takes it: the token ids into the first stage, the labels to the loss."""
+    return batch["input_ids"], batch["labels"]
+
+
+def gpt_output_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt_loss from the model's output: what the last pipeline stage computes."""
+    return token_loss(logits, labels, ignore_index=IGNORE_INDEX)
+
+
 def gpt_optimizer(
     model: nn.Module, *, lr: float = 3e-3, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95)
 ) -> torch.optim.AdamW:
@@ -64,6 +74,8 @@ def gpt_workload(
         name=size if isinstance(size, str) else "gpt",
         description=f"byte-level GPT {config.n_layer}x{config.n_embd} on {corpus}",
         max_length=config.block_size,
+        pipeline_inputs=gpt_inputs,
+        pipeline_loss=gpt_output_loss,
     )
 
 

@@ -71,11 +71,28 @@ class PlanOptions:
     accumulate_dtype: torch.dtype | None = None
     scaler: bool = False
     gradient_sync: str | None = None
+    # Pipeline stages (planner/pipeline_plan.py): world_size is then every rank (1: the S ranks of one
+    # replica), cut into world_size / pipeline data-parallel replicas of ``pipeline`` stages; the
+    # planner chooses the schedule (or takes ``pipeline_schedule``: "1f1b" or "gpipe"), the
+    # micro-batches per pipeline step, where to cut and a policy per block.
+    pipeline: int = 1
+    pipeline_schedule: str | None = None
 
     def __post_init__(self) -> None:
         _positive_int("world_size", self.world_size)
         _positive_int("max_trials", self.max_trials)
         _positive_int("min_micro_batch_size", self.min_micro_batch_size)
+        _positive_int("pipeline", self.pipeline)
+        if self.pipeline_schedule not in (None, "1f1b", "gpipe"):
+            raise ConfigError(
+                f"pipeline_schedule={self.pipeline_schedule!r}: choose 1f1b or gpipe, or None (the planner "
+                "chooses)"
+            )
+        if self.pipeline > 1 and self.world_size > 1 and self.world_size % self.pipeline:
+            raise ConfigError(
+                f"world_size={self.world_size} is not a multiple of pipeline={self.pipeline}: every "
+                f"data-parallel replica is {self.pipeline} ranks; use a multiple of {self.pipeline}"
+            )
         if self.max_profile_micro_batch_size is not None:
             _positive_int("max_profile_micro_batch_size", self.max_profile_micro_batch_size)
         if self.shard not in SHARDS:

@@ -8,7 +8,9 @@ huge file, another program's JSON). ``read_plan_file`` reads a regular file of a
 - sizes are positive integers (not booleans, not 4.7); ``micro_batch_sizes`` sums to
   ``batch_size / world_size``, has ``steps`` entries and its largest is ``micro_batch_size``;
 - policies are known (none, full, selective, offload); shard and source are known;
-- byte figures are finite non-negative integers; times are finite and non-negative.
+- byte figures are finite non-negative integers; times are finite and non-negative;
+- a pipeline plan names S - 1 distinct stage starts, S stage peaks, a known schedule and at most
+  ``steps`` micro-batches per pipeline step.
 """
 
 from __future__ import annotations
@@ -182,6 +184,47 @@ def _labels(data: Mapping[str, Any]) -> None:
         raise _refuse("notes", notes, "not a list of strings")
 
 
+PIPELINE_SCHEDULES = frozenset({"gpipe", "1f1b", "interleaved-1f1b"})
+
+
+def _byte_list(data: Mapping[str, Any], field: str, count: int) -> None:
+    values = data.get(field, [])
+    if not isinstance(values, list) or len(values) not in (0, count):
+        raise _refuse(field, values, f"not a list of {count} byte counts (one per stage) or empty")
+    for index, value in enumerate(values):
+        whole_value(value, f"{field}[{index}]", minimum=0)
+
+
+def _pipeline(data: Mapping[str, Any]) -> None:
+    """A pipeline plan's fields agree: S - 1 distinct cuts, S stage peaks, m within the window."""
+    stages = whole(data, "pipeline_stages", minimum=1) if "pipeline_stages" in data else 1
+    starts = data.get("stage_starts", [])
+    if not isinstance(starts, list) or not all(isinstance(name, str) and name for name in starts):
+        raise _refuse("stage_starts", starts, "not a list of block names")
+    if stages == 1:
+        if starts or data.get("pipeline_schedule", "") or data.get("pipeline_micro_batches", 0):
+            raise _refuse("pipeline_stages", stages, "1 while the plan names pipeline fields")
+        return
+    if len(starts) not in (0, stages - 1) or len(set(starts)) != len(starts):
+        raise _refuse(
+            "stage_starts", starts, f"not {stages - 1} distinct block names for {stages} stages, nor []"
+        )
+    if data.get("pipeline_schedule") not in PIPELINE_SCHEDULES:
+        raise _refuse(
+            "pipeline_schedule",
+            data.get("pipeline_schedule"),
+            f"not one of {', '.join(sorted(PIPELINE_SCHEDULES))}",
+        )
+    micro_batches = whole(data, "pipeline_micro_batches", minimum=1)
+    if micro_batches > whole(data, "steps", minimum=1):
+        raise _refuse("pipeline_micro_batches", micro_batches, "more than the window's micro-batches (steps)")
+    for field in ("stage_peak_bytes", "measured_stage_peak_bytes"):
+        _byte_list(data, field, stages)
+    bubble = data.get("bubble_fraction", 0.0)
+    if isinstance(bubble, bool) or not isinstance(bubble, (int, float)) or not 0 <= bubble < 1:
+        raise _refuse("bubble_fraction", bubble, "not a fraction in [0, 1)")
+
+
 def check_plan_data(data: Any) -> None:
     """Raise ConfigError naming the first field of ``data`` (Plan.to_dict's form) that is wrong."""
     if not isinstance(data, dict):
@@ -202,3 +245,4 @@ def check_plan_data(data: Any) -> None:
         _byte_table(data, field)
     _frontier(data)
     _labels(data)
+    _pipeline(data)

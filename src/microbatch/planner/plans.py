@@ -18,12 +18,14 @@ from torch import nn
 
 from ..accumulate.accumulator import Accumulator
 from ..checkpointing.api import CheckpointHandle, checkpoint
+from ..distributed.pipeline import Pipeline
 from ..errors import ConfigError
 from ..memory import format_bytes
 from ..trees.batches import micro_batch_sizes, split_batch
 from ..trees.modules import unwrap_compiled
 from . import applying
 from .applying import inner_model
+from .pipeline_apply import build_pipeline
 from .plan_checks import check_plan_data, read_plan_file
 from .text import NONE, plan_text, summarize_policies
 
@@ -106,6 +108,15 @@ class Plan:
     accumulate_dtype: str | None = None  # e.g. "float32": low-precision gradients summed wide
     scaler: bool = False  # a GradScaler steps the window
     gradient_sync: str = "window"  # FSDP2: reduce-scatter once per "window" or every "micro-batch"
+    # A pipeline (plan(..., pipeline=S)): world_size counts the data-parallel replicas, each of
+    # pipeline_stages ranks; a window's micro-batches run pipeline_micro_batches per pipeline step.
+    pipeline_stages: int = 1
+    pipeline_schedule: str = ""  # "1f1b" or "gpipe"; "" without a pipeline
+    pipeline_micro_batches: int = 0  # the schedule's m; ceil(steps / m) pipeline steps per window
+    stage_starts: tuple[str, ...] = ()  # the blocks where stages 1 .. S-1 begin
+    stage_peak_bytes: tuple[int, ...] = ()  # predicted peak of each stage's ranks
+    measured_stage_peak_bytes: tuple[int, ...] = ()  # the trial on the ranks: each stage's worst rank
+    bubble_fraction: float = 0.0  # (S - 1) / (m + S - 1): the share of a pipeline step spent idle
 
     @property
     def policies(self) -> dict[str, str]:
@@ -151,6 +162,11 @@ class Plan:
         number of samples than the plan's per-rank batch. ``plan.remove(model)`` undoes both;
         applying a plan to a model that already has one applied raises ConfigError (remove it first).
         """
+        if self.pipeline_stages > 1:
+            raise ConfigError(
+                f"this plan cuts the model into {self.pipeline_stages} pipeline stages; build its pipeline "
+                "with plan.pipeline(model, example=..., loss_fn=...) on every rank instead of plan.apply"
+            )
         options = dict(accumulator_options)
         if self.source != "manual":  # a manual plan measured nothing: the user vouches for every option
             options = applying.accumulator_options(
@@ -161,6 +177,27 @@ class Plan:
             )
         options.setdefault("samples_per_window", sum(self.micro_batch_sizes))
         return applying.attach(model, self.checkpoint, optimizer, self.steps, options)
+
+    def pipeline(
+        self,
+        model: nn.Module,
+        *,
+        example: torch.Tensor,
+        loss_fn: Any,
+        autocast_dtype: torch.dtype | None = None,
+        ignore_index: int = -100,
+    ) -> Pipeline:
+        """A pipeline plan's ``mb.distributed.Pipeline`` over this launch's ranks (every rank calls it):
+        cut at ``stage_starts``, ``pipeline_micro_batches`` per step under ``pipeline_schedule``, each
+        stage's blocks checkpointed by the plan's policies (planner/pipeline_apply.py)."""
+        return build_pipeline(
+            self,
+            model,
+            example=example,
+            loss_fn=loss_fn,
+            autocast_dtype=autocast_dtype,
+            ignore_index=ignore_index,
+        )
 
     def remove(self, model: nn.Module) -> None:
         """Undo ``apply``: the model's blocks are plain again and apply's Accumulator is closed (its
@@ -227,6 +264,13 @@ class Plan:
             "scaler": self.scaler,
             "gradient_sync": self.gradient_sync,
             "estimates": dict(self.estimates),
+            "pipeline_stages": self.pipeline_stages,
+            "pipeline_schedule": self.pipeline_schedule,
+            "pipeline_micro_batches": self.pipeline_micro_batches,
+            "stage_starts": list(self.stage_starts),
+            "stage_peak_bytes": list(self.stage_peak_bytes),
+            "measured_stage_peak_bytes": list(self.measured_stage_peak_bytes),
+            "bubble_fraction": self.bubble_fraction,
         }
 
     @classmethod
@@ -253,6 +297,9 @@ class Plan:
             values["notes"] = tuple(str(note) for note in data.get("notes", []))
             for name in ("rank_parts", "estimates"):  # simulated / sharded plans: name -> bytes
                 values[name] = tuple((str(k), int(v)) for k, v in dict(data.get(name, {})).items())
+            values["stage_starts"] = tuple(str(name) for name in data.get("stage_starts", []))
+            for name in ("stage_peak_bytes", "measured_stage_peak_bytes"):
+                values[name] = tuple(int(value) for value in data.get(name, []))
             return cls(**values)
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ConfigError(
@@ -346,6 +393,9 @@ class Plan:
         if len(sizes) > 1 and sizes[-1] != sizes[0]:
             split = f"{self.micro_batch_size} x {self.steps - 1} + {sizes[-1]}"
         ranks = f" x {self.world_size} ranks" if self.world_size > 1 else ""
+        if self.pipeline_stages > 1:
+            stages = f"{self.pipeline_stages} stages ({self.pipeline_schedule})"
+            ranks = f" x {self.world_size} replica(s) x {stages}"
         head = (
             f"batch {self.batch_size} = micro-batch {split}{ranks}; {summarize_policies(self.block_policies)}"
         )

@@ -98,6 +98,8 @@ def plan_text(plan: Plan) -> str:
     if len(sizes) > 1 and sizes[-1] != sizes[0]:
         split = f"{plan.micro_batch_size} x {plan.steps - 1} + {sizes[-1]} (steps={plan.steps})"
     ranks = f" x {plan.world_size} ranks" if plan.world_size > 1 else ""
+    if plan.pipeline_stages > 1:
+        ranks = f" x {plan.world_size} replica(s), each {plan.pipeline_stages} pipeline stages"
     head = f"Plan for {plan.workload}: batch {plan.batch_size} = micro-batch {split}{ranks}"
     if plan.source == "manual":
         return "\n".join([f"{head} (manual: nothing predicted)", *block_table(plan.block_policies)])
@@ -116,6 +118,7 @@ def plan_text(plan: Plan) -> str:
         f"  predicted {plan.predicted_seconds_per_step:.3g} s per optimizer step, "
         f"{plan.samples_per_second:.1f} samples/s",
         *token_line,
+        *pipeline_lines(plan),
         "  peak = " + " + ".join(f"{name} {format_bytes(v)}" for name, v in plan.peak_parts if v),
         "",
         f"  {'block':<{BLOCK_COLUMN}} policy",
@@ -127,13 +130,38 @@ def plan_text(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def pipeline_lines(plan: Plan) -> list[str]:
+    """A pipeline plan's layout, schedule and per-stage peaks (predicted, and measured on the ranks)."""
+    stages = plan.pipeline_stages
+    if stages <= 1:
+        return []
+    m = plan.pipeline_micro_batches
+    per_window = -(-plan.steps // m)
+    lines = [
+        f"  pipeline: {stages} stages x {plan.world_size} replica(s) = {stages * plan.world_size} ranks, "
+        f"{plan.pipeline_schedule}, {m} micro-batches per pipeline step, {per_window} step(s) per window, "
+        f"bubble {plan.bubble_fraction:.0%}"
+    ]
+    starts = ["(first block)", *plan.stage_starts]
+    measured = plan.measured_stage_peak_bytes
+    for s in range(stages):
+        peak = format_bytes(plan.stage_peak_bytes[s]) if plan.stage_peak_bytes else "?"
+        seen = f", measured {format_bytes(measured[s])}" if measured else ""
+        lines.append(f"    stage {s} from {starts[s]}: predicted peak {peak}{seen}")
+    return lines
+
+
 def report_lines(plan: Plan) -> list[str]:
     """A simulated or sharded plan's per-rank breakdown and the estimates beside it."""
     lines: list[str] = []
     if plan.simulated or plan.shard != "none":
         what = "simulated" if plan.simulated else "profiled"
         where = f"{what} on {plan.device_name}, shard {plan.shard}, {ranks_word(plan.world_size)}"
-        where += f", gradient sync every {plan.gradient_sync}" if plan.shard == "fsdp" else ""
+        if plan.pipeline_stages > 1:
+            ranks = plan.world_size * plan.pipeline_stages
+            where = f"{what} on {plan.device_name}, shard {plan.shard}, {ranks_word(ranks)}, the worst stage"
+        elif plan.shard == "fsdp":
+            where += f", gradient sync every {plan.gradient_sync}"
         lines += ["", f"Per rank ({where}):"]
         lines.extend(f"  {name:<52} {format_bytes(value):>10}" for name, value in plan.rank_parts if value)
     if plan.estimates:

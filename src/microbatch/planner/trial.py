@@ -26,6 +26,7 @@ parameters, buffers, gradients, mode and the RNG are restored afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -37,6 +38,7 @@ from typing import Any
 from .. import distributed
 from ..checkpointing.api import BlockSpec
 from ..checkpointing.compiled import eager_workload
+from ..errors import InfeasibleBudgetError, MicrobatchError
 from ..memory import format_bytes
 from ..memory.device_specs import DeviceSpec
 from ..memory.oom import attempt
@@ -45,6 +47,8 @@ from ..workload import Workload, load_workload
 from .choices import faster_without_margin, last_resort
 from .options import DEFAULT_MAX_PROFILE_SIZE, PlanOptions
 from .outcome import PlanRequest, Setup, plan_of
+from .pipeline_plan import ranks_of
+from .pipeline_trial import plan_pipeline
 from .plans import Plan, summarize_policies
 from .refusals import (
     candidate_key,
@@ -103,7 +107,6 @@ def _extend_profile(
     return profile_with_rules(profile_workload, workload, rules, size, size, **options)
 
 
-@distributed.single_process()
 def plan(
     workload: Workload | str,
     *,
@@ -121,8 +124,44 @@ def plan(
     profiled eagerly (the module inside it). Without ``progress``, the planner still logs one INFO
     line per phase (profile, each trial, the choice) to ``logging.getLogger("microbatch.planner.trial")``.
     Raises InfeasibleBudgetError when no plan fits; never lets an out-of-memory error escape.
+
+    ``pipeline=S``: the model cut into S stages (planner/pipeline_plan.py): ``world_size`` is every
+    rank (W / S data-parallel replicas). Under torchrun with those W ranks every rank calls plan():
+    rank 0 profiles and searches, every rank proves its own stage in a trial window
+    (planner/pipeline_trial.py); elsewhere the plan is predicted only. Build the stages with
+    ``plan.pipeline(model, example=..., loss_fn=...)``.
     """
     request = PlanRequest(workload, batch, memory, PlanOptions.of(options, keywords))
+    if request.options.pipeline > 1:
+        return plan_pipeline(request, compare=_without_pipeline)
+    with distributed.single_process():
+        return _plan(request)
+
+
+def _without_pipeline(request: PlanRequest, profile: Profile) -> Plan | str:
+    """The plan without a pipeline on the same ranks, from the pipeline's profile (no trial); or why
+    there is none."""
+    world, _ = ranks_of(request)
+    options = dataclasses.replace(
+        request.options, pipeline=1, pipeline_schedule=None, world_size=world, profile=profile, trial=False
+    )
+    quiet = [logging.getLogger(name) for name in ("microbatch.planner.trial", "microbatch.planner.simulated")]
+    levels = [log.level for log in quiet]
+    for log in quiet:  # its choice is not the plan's: said once, in the pipeline plan's note
+        log.setLevel(logging.WARNING)
+    try:
+        with distributed.single_process():
+            return _plan(dataclasses.replace(request, options=options))
+    except InfeasibleBudgetError:
+        return "no plan fits the budget: the pipeline is needed"
+    except MicrobatchError as error:
+        return f"no such plan ({error})"
+    finally:
+        for log, level in zip(quiet, levels, strict=True):
+            log.setLevel(level)
+
+
+def _plan(request: PlanRequest) -> Plan:
     began = time.perf_counter()
     setup = _prepare(request)
     chosen, result, trials = _search_and_prove(setup, request)

@@ -194,18 +194,15 @@ def _check_pipeline(config: TrainConfig, world: int) -> None:
             f"got {config.pipeline_schedule!r}",
         ),
         (
-            config.precision == "fp32",
-            f"--pipeline runs in fp32 for now, got --precision {config.precision}: the stage buffers are "
-            "traced in fp32 and one GradScaler over all stages is not built",
+            config.precision != "fp16",
+            "--pipeline takes --precision fp32 or bf16 (autocast in each stage): fp16's GradScaler is not "
+            "built across pipeline stages",
         ),
         (
-            config.memory is None and config.plan is None,
-            "--pipeline does not plan yet: --memory and --plan are not used; give --micro-batch "
-            "(or leave it out for batch / replicas / (2 x stages))",
-        ),
-        (
-            config.checkpoint_policy in ("auto", "none"),
-            "--pipeline runs without activation checkpointing for now; use --checkpoint-policy none",
+            config.memory is None
+            or config.micro_batch is not None
+            or config.pipeline_schedule != "interleaved-1f1b",
+            "--memory plans --pipeline-schedule 1f1b or gpipe; interleaved-1f1b takes --micro-batch",
         ),
         (
             config.nominal_batch is None,

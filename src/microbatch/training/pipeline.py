@@ -102,8 +102,8 @@ def _start_session(
     raw_model = build_model(config, device)
     documents = load_corpus(max_bytes=config.corpus_bytes).train
     workload = planning_workload(config, raw_model, documents, device)
-    if config.pipeline > 1:  # the same split on every rank, nothing profiled (pipelined.py)
-        plan = pipelined.pipeline_plan(config, raw_model, device)
+    if config.pipeline > 1:  # the same plan on every rank: manual, loaded, or planned on the ranks
+        plan = pipelined.pipeline_plan(config, workload, device, start, plan_progress)
     else:
         plan = on_rank_zero(
             lambda: plan_for_run(

@@ -22,7 +22,7 @@ from ..checkpointing.api import find_blocks
 from ..errors import ConfigError, InfeasibleBudgetError
 from ..memory import format_bytes, parse_bytes
 from ..models.corpus import ByteBatches
-from ..models.workloads import gpt_loss
+from ..models.workloads import gpt_inputs, gpt_loss, gpt_output_loss
 from ..planner import Plan, plan, prove
 from ..trees.batches import move_batch
 from ..workload import Workload
@@ -81,6 +81,8 @@ def planning_workload(
         make_batch=lambda b: move_batch(planning_data(b), device),
         loss=gpt_loss,
         name=config.model,
+        pipeline_inputs=gpt_inputs,
+        pipeline_loss=gpt_output_loss,
     )
 
 
