@@ -15,7 +15,7 @@ it sends and receives, interconnect latency + bytes / bandwidth) in each of the 
 pipeline step (m micro-batches plus the S - 1 of filling and draining: the bubble), then the
 optimizer step, the gradient sum over the replicas of the slowest stage, and the window's few small
 collectives (WINDOW_COLLECTIVES). Ties (predicted times
-within the profile's noise, at least search.MIN_TIE_FRACTION) go to less recompute, then 1F1B, then
+within twice the profile's noise, search.tie_for_noise) go to less recompute, then 1F1B, then
 the larger micro-batch and m.
 """
 
@@ -31,7 +31,7 @@ from torch import nn
 from ..memory.device_specs import DeviceSpec
 from ..profile import Profile
 from ..profile.roofline import all_gather_seconds, all_reduce_seconds
-from .search import MIN_TIE_FRACTION, SAFETY_MARGIN
+from .search import SAFETY_MARGIN, tie_for_noise
 from .stage_model import (
     StageChoice,
     StageParameters,
@@ -282,13 +282,13 @@ def search_pipeline(ctx: PipelineContext, per_replica_batch: int, noise: float =
                     fitting.append(candidate)
     smallest = WindowSizes(per_replica_batch, 1)
     # The least memory: micro-batches of 1, one in flight per stage (GPipe with m = 1; 1F1B needs m >= S).
-    least = price(ctx, "gpipe", smallest, 1, least=True)
-    assert least is not None  # least=True always prices
-    minimum = least
+    minimum = price(ctx, "gpipe", smallest, 1, least=True)
+    if minimum is None:  # least=True prices whatever the budget
+        raise RuntimeError("internal error: the least pipeline layout was not priced")
     if not fitting:
         return PipelineSearch(None, (), minimum)
     fastest = min(c.seconds_per_step for c in fitting)
-    tie = max(MIN_TIE_FRACTION, 2 * noise)
+    tie = tie_for_noise(noise)
     ties = [c for c in fitting if c.seconds_per_step <= fastest * (1 + tie)]
     best = min(
         ties,

@@ -32,12 +32,12 @@ micro-batches, and each is priced from (size, count) pairs, never a list of N si
 
 Ties: predicted times are fits of measured ones, which repeat only to within the profile's noise
 n = Profile.time_noise. Two plans' times can each be off by n in opposite directions, so plans
-whose predicted times differ by less than 2 n (at least MIN_TIE_FRACTION) are not told apart by
-the measurement: every fitting plan within that fraction of the fastest is a tie, and ties are
-broken by a fixed rule (``tie_key``): fewer recomputed FLOPs (each checkpointed block weighs by
-the share of its forward it recomputes, RECOMPUTE_FLOOR), then the larger micro-batch, then
-fewer steps. So the same command on the same machine gives the same plan
-although its timings differ from run to run.
+whose predicted times differ by less than 2 n (at least MIN_TIE_FRACTION, at most
+MAX_TIE_FRACTION) are not told apart by the measurement: every fitting plan within that fraction
+of the fastest is a tie, and ties are broken by a fixed rule (``tie_key``): fewer recomputed FLOPs
+(each checkpointed block weighs by the share of its forward it recomputes, RECOMPUTE_FLOOR), then
+the larger micro-batch, then fewer steps. So the same command on the same machine gives the same
+plan although its timings differ from run to run.
 """
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ RECOMPUTE_FLOOR = {"full": 1.0, "offload": 1.0, "selective": 0.1}
 # Predicted times closer than this fraction are ties even when the profile's timings repeated
 # more closely: their spread between separate runs of the planner is larger than within one.
 MIN_TIE_FRACTION = 0.05
+# ... and never wider than this: a profile timed on a loaded machine can spread by 1000 % between
+# rounds (seen: 18.3 on 2 shared cores), which would call a plan 13 times slower a tie and let the
+# tie rule pick it. Beyond this fraction the predicted times are told apart whatever the noise.
+MAX_TIE_FRACTION = 0.25
 
 
 @dataclass(frozen=True)
@@ -292,8 +296,13 @@ def tie_key(candidate: Candidate) -> tuple[float, int, int, tuple[tuple[str, str
 
 
 def tie_fraction(profile: Profile) -> float:
-    """Relative difference in predicted time below which two plans are ties: 2 n, at least 5 %."""
-    return max(2 * profile.time_noise, MIN_TIE_FRACTION)
+    """Relative difference in predicted time below which two plans are ties: 2 n, within 5-25 %."""
+    return tie_for_noise(profile.time_noise)
+
+
+def tie_for_noise(noise: float) -> float:
+    """2 ``noise`` (two predictions each off by it), kept within [MIN_TIE_FRACTION, MAX_TIE_FRACTION]."""
+    return min(max(2 * noise, MIN_TIE_FRACTION), MAX_TIE_FRACTION)
 
 
 def choose(candidates: Sequence[Candidate], *, tie: float) -> Candidate | None:
