@@ -44,9 +44,7 @@ def plan_row(model: str, device: str, *, batch: int, seq_len: int, precision: st
     )
     began = time.perf_counter()
     setup = ModelSetup(seq_len=seq_len, precision=precision)
-    workload, profile = simulate_config_profile(
-        model, setup, spec, max_micro_batch_size=min(batch, 16), policies=["none", "full"]
-    )
+    workload, profile = simulate_config_profile(model, setup, spec, max_micro_batch_size=min(batch, 16))
     row: dict[str, Any] = {"model": model, "device": device, "memory": memory, "command": command}
     row["accelerate_bytes"] = accelerate_estimate(workload.model, precision)
     try:

@@ -125,9 +125,8 @@ def _architecture(args: argparse.Namespace, policies: list[str] | None, progress
     spec = device_spec(args.device)
     target_budget(args.memory, spec, None)  # a budget the preset cannot hold: refused before simulating
     per_rank = max(1, args.batch // max(1, args.world_size))
-    # Identical layers with three options each cost the exact solver O(L^2) partial plans per
-    # layer; none and full keep it O(L). --policies none,full,selective adds selective.
-    policies = policies if policies is not None else ["none", "full"]
+    # policies=None: none, full and selective (the simulated profiler's default). The solver takes
+    # the identical layers by counts of each policy (planner/solve_runs.py), so depth costs little.
     return simulate_config_profile(
         args.model,
         setup,
