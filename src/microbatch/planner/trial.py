@@ -26,6 +26,7 @@ parameters, buffers, gradients, mode and the RNG are restored afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -35,12 +36,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import distributed
-from ..checkpointing.api import BlockSpec
+from ..checkpointing.api import POLICIES, BlockSpec
 from ..checkpointing.compiled import eager_workload
+from ..errors import ConfigError
 from ..memory import format_bytes
 from ..memory.device_specs import DeviceSpec
 from ..memory.oom import attempt
-from ..profile import Profile, ProgressFn, profile_workload
+from ..profile import NONE, Profile, ProgressFn, profile_workload
 from ..workload import Workload, load_workload
 from .choices import faster_without_margin, last_resort
 from .options import DEFAULT_MAX_PROFILE_SIZE, PlanOptions
@@ -195,6 +197,8 @@ def _profile(
     options = request.options
     profile = options.profile
     extend = profile is None and options.max_profile_micro_batch_size is None and spec is None
+    if profile is not None and options.policies is not None:
+        profile = only_policies(profile, options.policies)
     if profile is None:
         kinds = {"blocks": options.blocks, "policies": options.policies, "progress": options.progress}
         largest = options.max_profile_micro_batch_size or DEFAULT_MAX_PROFILE_SIZE
@@ -219,6 +223,37 @@ def _profile(
             rules=rules,
         )
     return profile
+
+
+def only_policies(profile: Profile, policies: Sequence[str]) -> Profile:
+    """``profile`` with each block's costs cut to ``policies`` (and none, always measured).
+
+    A policy that is no checkpoint policy, or that no block of the profile measured, is refused by
+    name: the search cannot price what was not measured.
+    """
+    wanted = {NONE, *policies}
+    unknown = sorted(wanted - {NONE, *POLICIES})
+    if unknown:
+        raise ConfigError(
+            f"policies={list(policies)}: {', '.join(unknown)} are not checkpoint policies; choose from "
+            f"none, {', '.join(POLICIES)}"
+        )
+    blocks = profile.blocks
+    measured = {policy for segment in blocks for policy in segment.policies}
+    missing = sorted(wanted - measured) if blocks else []
+    if missing:
+        raise ConfigError(
+            f"policies={list(policies)}: the profile did not measure {', '.join(missing)} (it measured "
+            f"{', '.join(sorted(measured))}); profile with them (profile_workload(..., policies=...)) or "
+            "leave them out"
+        )
+    segments = tuple(
+        dataclasses.replace(segment, costs={p: c for p, c in segment.costs.items() if p in wanted})
+        if segment.is_block
+        else segment
+        for segment in profile.segments
+    )
+    return dataclasses.replace(profile, segments=segments)
 
 
 @dataclass
