@@ -116,7 +116,8 @@ def section(report: dict[str, Any]) -> str:
             "allowance; time from a roofline on published peaks (a lower bound; real kernels reach 50-80 %). "
             "accelerate counts model states only; Korthikanti's formula (16-bit, no flash attention) is per "
             "layer times the layers at the plan's micro-batch, and misses the logits, SwiGLU's wider MLP and "
-            "GQA, while over-counting attention that SDPA does not keep. Policies searched: none and full. "
+            "GQA, while over-counting attention that SDPA does not keep. "
+            "Policies searched: none, full and selective. "
             f"Peak RSS of the whole run: {report['max_rss_mib']:.0f} MiB; measured on a machine shared with "
             "other jobs (planning seconds are wall-clock under that load).",
             "",
