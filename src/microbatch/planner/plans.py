@@ -26,6 +26,7 @@ from . import applying
 from .applying import inner_model
 from .plan_checks import check_plan_data, read_plan_file
 from .text import NONE, plan_text, summarize_policies
+from .windows import describe_split
 
 # The attribute of a model that a plan's apply() marks (holding the checkpoint handle, or None).
 
@@ -341,10 +342,7 @@ class Plan:
 
     def headline(self) -> str:
         """One line: the split, the checkpointing, the predicted (and measured) peak and the budget."""
-        sizes = self.micro_batch_sizes
-        split = f"{self.micro_batch_size} x {self.steps}"
-        if len(sizes) > 1 and sizes[-1] != sizes[0]:
-            split = f"{self.micro_batch_size} x {self.steps - 1} + {sizes[-1]}"
+        split = describe_split(self.micro_batch_sizes)
         ranks = f" x {self.world_size} ranks" if self.world_size > 1 else ""
         head = (
             f"batch {self.batch_size} = micro-batch {split}{ranks}; {summarize_policies(self.block_policies)}"

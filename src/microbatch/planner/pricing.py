@@ -1,8 +1,9 @@
 """The peak and time model of a plan: a choice of micro-batch sizes and block policies, priced.
 
 A plan runs a rank's share of the batch, B_rank = B / W samples, as N micro-batches of sizes
-micro_batch_sizes(B_rank, b) = [b] * (N - 1) + [r] with N = ceil(B_rank / b) and 0 < r <= b, so the
-effective batch is exactly B. With the profile's fits, for a choice o (one policy per block):
+micro_batch_sizes(B_rank, b) = [b] * (N - 1) + [r] with N = ceil(B_rank / b) and 0 < r <= b, or
+the same N balanced (windows.WindowSizes), so the effective batch is exactly B. With the profile's
+fits, for a choice o (one policy per block):
 
     seconds_per_step = sum over micro-batches m of (loop(m) + sum_k seconds_k(o_k, m)) + step
     peak_bytes       = max(parameters + optimizer state + base(b) + (1 + margin) * chain peak,

@@ -49,6 +49,7 @@ __all__ = [
 ]
 
 FRONTIER_POINTS = 256  # per micro-batch size
+SPLIT_TOLERANCE = 1e-9  # relative: predicted times this close are the same time (see _split)
 # Predicted times closer than this fraction are ties even when the profile's timings repeated
 # more closely: their spread between separate runs of the planner is larger than within one.
 MIN_TIE_FRACTION = 0.05
@@ -129,17 +130,23 @@ def search(
         bytes_per_sample=bytes_per_sample,
     )
 
-    def allowed(b: int) -> bool:
-        counts = WindowSizes(per_rank_batch, b).counts
-        smallest = min(size for size, _ in counts)
-        return smallest >= min(min_micro_batch_size, per_rank_batch) and not (even and len(counts) > 1)
+    def splits(b: int) -> list[WindowSizes]:
+        """The window cut by b: filled ([b] * (N - 1) + [r]) and balanced, those the rules allow."""
+        found = []
+        for sizes in (WindowSizes(per_rank_batch, b), WindowSizes(per_rank_batch, b, balanced=True)):
+            counts = sizes.counts
+            smallest = min(size for size, _ in counts)
+            allowed = smallest >= min(min_micro_batch_size, per_rank_batch) and not (even and len(counts) > 1)
+            if allowed and sizes not in found:
+                found.append(sizes)
+        return found
 
     state = _SearchState(tie_fraction(profile))
-    grid = [b for b in candidate_sizes(per_rank_batch) if allowed(b)]
+    grid = [b for b in candidate_sizes(per_rank_batch) if splits(b)]
     for b in grid:
-        state.add(_price_size(model, WindowSizes(per_rank_batch, b), capacity_bytes))
+        state.add(_price_size(model, splits(b), capacity_bytes))
     if per_rank_batch > EXACT_SEARCH_BATCH and state.fits and not even:
-        _refine(model, state, grid, per_rank_batch, capacity_bytes, allowed)
+        _refine(model, state, grid, per_rank_batch, capacity_bytes, splits)
     if state.minimum is None:
         raise ConfigError(f"per_rank_batch must be >= 1, got {per_rank_batch}")
     fits = state.fits
@@ -173,21 +180,42 @@ class _SearchState:
 
 
 def _price_size(
-    model: Model, sizes: WindowSizes, capacity_bytes: float
+    model: Model, splits: Sequence[WindowSizes], capacity_bytes: float
 ) -> tuple[list[Candidate], list[Candidate]]:
-    """One micro-batch size: its priced candidates, and those within the capacity."""
+    """One micro-batch size: its priced candidates, and those within the capacity.
+
+    Each choice is priced on each of the size's splits; the balanced one (the last) is kept
+    unless the time model makes it slower (see ``_split``).
+    """
+    sizes = splits[0]
     # The steady chain's frontier, priced in both phases; and the choice with the lowest peak
     # in both phases together (a chain that bounds both), so the minimum is never missed.
     front = solve.frontier(model.chain(sizes), max_points=FRONTIER_POINTS)
     both = model.chain(sizes, phase=BOTH)
-    priced = [model.price(sizes, s.choice) for s in (*front, solve.minimum_peak(both))]
+    priced = [_split(model, splits, s.choice) for s in (*front, solve.minimum_peak(both))]
     if model.step_bytes(sizes) > capacity_bytes:
         return priced, []
     fitting = [c for c in priced if c.peak_bytes <= capacity_bytes]
     if not fitting:  # nothing on the frontier fits: the fastest choice that fits both phases
         solution = solve.solve(both, model.room(sizes, capacity_bytes))
-        fitting = [model.price(sizes, solution.choice)] if solution is not None else []
+        fitting = [_split(model, splits, solution.choice)] if solution is not None else []
     return priced, fitting
+
+
+def _split(model: Model, splits: Sequence[WindowSizes], choice: Sequence[int]) -> Candidate:
+    """``choice`` on the first split, or on a later one that is no slower and peaks no higher.
+
+    The splits of one b have the same steps and largest micro-batch; with time linear in the
+    micro-batch size they cost the same, so the balanced split wins unless the fits say otherwise
+    (SPLIT_TOLERANCE absorbs the rounding of sums taken in a different order).
+    """
+    best = model.price(splits[0], choice)
+    for sizes in splits[1:]:
+        other = model.price(sizes, choice)
+        no_slower = other.seconds_per_step <= best.seconds_per_step * (1 + SPLIT_TOLERANCE)
+        if no_slower and other.peak_bytes <= best.peak_bytes:
+            best = other
+    return best
 
 
 def _refine(
@@ -196,7 +224,7 @@ def _refine(
     grid: Sequence[int],
     per_rank_batch: int,
     capacity_bytes: float,
-    allowed: Callable[[int], bool],
+    splits: Callable[[int], list[WindowSizes]],
 ) -> None:
     """Bisect N between the best grid size and the next larger one: the largest b that fits there."""
     best = state.best
@@ -211,7 +239,7 @@ def _refine(
     while high_steps - low_steps > 1:
         middle = (low_steps + high_steps) // 2
         b = -(-per_rank_batch // middle)
-        if allowed(b) and state.add(_price_size(model, WindowSizes(per_rank_batch, b), capacity_bytes)):
+        if splits(b) and state.add(_price_size(model, splits(b), capacity_bytes)):
             high_steps = middle
         else:
             low_steps = middle

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..memory import format_bytes
+from .windows import describe_split
 
 # The functions take a plans.Plan; typed Any because plans.py imports this module (no circle).
 Plan = Any
@@ -95,8 +96,8 @@ def plan_text(plan: Plan) -> str:
     """``print(plan)``: the split, the budget and peak, the block table, the frontier, the notes."""
     sizes = plan.micro_batch_sizes
     split = f"{plan.micro_batch_size} x {plan.steps} steps"
-    if len(sizes) > 1 and sizes[-1] != sizes[0]:
-        split = f"{plan.micro_batch_size} x {plan.steps - 1} + {sizes[-1]} (steps={plan.steps})"
+    if len(set(sizes)) > 1:
+        split = f"{describe_split(sizes)} (steps={plan.steps})"
     ranks = f" x {plan.world_size} ranks" if plan.world_size > 1 else ""
     head = f"Plan for {plan.workload}: batch {plan.batch_size} = micro-batch {split}{ranks}"
     if plan.source == "manual":
