@@ -40,6 +40,7 @@ from ..checkpointing.api import POLICIES, BlockSpec
 from ..checkpointing.compiled import eager_workload
 from ..errors import ConfigError
 from ..memory import format_bytes
+from ..memory.allocator import allocator_capacity
 from ..memory.device_specs import DeviceSpec
 from ..memory.oom import attempt
 from ..profile import NONE, Profile, ProgressFn, profile_workload
@@ -154,7 +155,8 @@ def _prepare(request: PlanRequest) -> Setup:
     refuse_budget_below_weights(workload, budget_bytes - reserve.total_bytes, reserve, shards=shards)
     bytes_per_sample = check_make_batch(workload, per_rank_batch)
     model_budget_bytes = budget_bytes - reserve.total_bytes
-    profile = _profile(request, workload, rules, spec, per_rank_batch, model_budget_bytes)
+    with allocator_capacity(_allocator_share(options, spec, model_budget_bytes)):
+        profile = _profile(request, workload, rules, spec, per_rank_batch, model_budget_bytes)
     profile = with_wide_gradients(profile, workload.model, options.accumulate_dtype)
     profile, extras, gradient_sync = rank_profile(
         profile,
@@ -183,6 +185,16 @@ def _prepare(request: PlanRequest) -> Setup:
         notes,
         gradient_sync,
     )
+
+
+def _allocator_share(options: PlanOptions, spec: DeviceSpec | None, model_budget_bytes: int) -> int | None:
+    """What the caching allocator may reserve under the budget, for the profile's replays
+    (profile/reserved.py): the budget less what lies outside the allocator (the reserve, and a
+    simulated device's context allowance). None for a sharded plan: its runs hold the whole
+    model, which no rank's share holds, so their replays stay unlimited (an upper bound)."""
+    if options.shard != "none" and options.world_size > 1:
+        return None
+    return model_budget_bytes - (spec.context_bytes if spec is not None else 0)
 
 
 def _profile(

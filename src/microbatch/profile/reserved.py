@@ -4,10 +4,13 @@ On CUDA (a real device, or a CUDA target simulated under fake tensors) a budget 
 allocator's peak reserved bytes, not the peak of the live tensors MemoryTracker counts. One code
 path turns the one into the other: every tracked run records its allocation sequence
 (``MemoryTracker(record_allocations=True)``: the model's and the optimizer's storages first, then
-each storage made and freed in order), and ``microbatch.memory.allocator.least_reserved`` serves it as
-the caching allocator would, from an empty cache, on the smallest device it runs on without an
-OOM (the allocator gives its cached free segments back before it fails): that reserved peak R is
-what the budget must hold for the run. The tracker gives the same run's peak live bytes A (each
+each storage made and freed in order), and ``microbatch.memory.allocator.reserved_at`` serves it as
+the caching allocator would, from an empty cache, at the capacity the planner sets around its
+profiling (``allocator_capacity``: the budget's share of the allocator; the allocator gives its
+cached free segments back only when a new one does not fit there): that reserved peak R is what
+the budget must hold for the run. Without a capacity (a profile made outside plan(), a sharded
+plan whose runs are of the whole model) R is the unlimited replay's, an upper bound of R at every
+capacity the run fits in. The tracker gives the same run's peak live bytes A (each
 storage rounded to 512 B, as ``memory_allocated`` counts). The profile carries
 
     overhead(b) = max over the profiled runs at b (every policy, first call and steady state) of R - A
@@ -26,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from ..memory import MemoryTracker, format_bytes
-from ..memory.allocator import expandable_segments_enabled, least_reserved
+from ..memory.allocator import current_capacity, expandable_segments_enabled, reserved_at
 from .costs import Fit
 from .timeline import Run
 
@@ -47,7 +50,11 @@ def reserved_peak_bytes(tracker: MemoryTracker) -> int | None:
     """Peak reserved bytes of the allocations ``tracker`` recorded; None when it recorded none."""
     if tracker.allocation_events is None:
         return None
-    peaks = least_reserved(tracker.allocation_events, expandable_segments=expandable_segments_enabled())
+    peaks = reserved_at(
+        tracker.allocation_events,
+        capacity_bytes=current_capacity(),
+        expandable_segments=expandable_segments_enabled(),
+    )
     return peaks.peak_reserved_bytes
 
 
