@@ -106,6 +106,12 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="--shard fsdp: reduce-scatter once per window or every micro-batch (default: planner chooses)",
     )
+    parser.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=None,
+        help="clip gradients to this total norm once per window (the plan is made, and applied, with it)",
+    )
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (architectures)")
     parser.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16", help="parameter dtype")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (architectures)")
@@ -209,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
             simulate=args.simulate,
             shard=args.shard,
             gradient_sync=args.gradient_sync,
+            max_grad_norm=args.max_grad_norm,
         )
     finally:
         if progress is not None:

@@ -107,6 +107,7 @@ class Plan:
     accumulate_dtype: str | None = None  # e.g. "float32": low-precision gradients summed wide
     scaler: bool = False  # a GradScaler steps the window
     gradient_sync: str = "window"  # FSDP2: reduce-scatter once per "window" or every "micro-batch"
+    max_grad_norm: float | None = None  # gradients clipped to this total norm once per window
 
     @property
     def policies(self) -> dict[str, str]:
@@ -146,7 +147,7 @@ class Plan:
         ``model``: the model, or its DDP / FSDP2 / torch.compile wrapper (the blocks are checkpointed in
         the module inside; the Accumulator gets the wrapper, for its gradient sync). ``accumulator_options``
         go to Accumulator (scheduler, max_grad_norm, scaler, ...); the options that change memory
-        (accumulate_dtype, scaler, the FSDP sync mode) must be those the plan was made with
+        (accumulate_dtype, scaler, the FSDP sync mode, max_grad_norm) must be those the plan was made with
         (planner/applying.py) and default to them. Feed it micro-batches of ``micro_batch_sizes``
         (``plan.split(batch)`` cuts a rank's batch): it warns once when a full window holds another
         number of samples than the plan's per-rank batch. ``plan.remove(model)`` undoes both;
@@ -158,6 +159,7 @@ class Plan:
                 accumulate_dtype=self.accumulate_dtype,
                 scaler=self.scaler,
                 gradient_sync=self.gradient_sync,
+                max_grad_norm=self.max_grad_norm,
                 given=options,
             )
         options.setdefault("samples_per_window", sum(self.micro_batch_sizes))
@@ -227,6 +229,7 @@ class Plan:
             "accumulate_dtype": self.accumulate_dtype,
             "scaler": self.scaler,
             "gradient_sync": self.gradient_sync,
+            "max_grad_norm": self.max_grad_norm,
             "estimates": dict(self.estimates),
         }
 

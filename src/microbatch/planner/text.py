@@ -117,6 +117,7 @@ def plan_text(plan: Plan) -> str:
         f"  predicted {plan.predicted_seconds_per_step:.3g} s per optimizer step, "
         f"{plan.samples_per_second:.1f} samples/s",
         *token_line,
+        *options_line(plan),
         "  peak = " + " + ".join(f"{name} {format_bytes(v)}" for name, v in plan.peak_parts if v),
         "",
         f"  {'block':<{BLOCK_COLUMN}} policy",
@@ -126,6 +127,14 @@ def plan_text(plan: Plan) -> str:
         *(f"note: {note}" for note in plan.notes),
     ]
     return "\n".join(lines)
+
+
+def options_line(plan: Plan) -> list[str]:
+    """The memory-changing options the plan was made with (plan.apply holds to them), when any."""
+    made = [f"accumulate_dtype={plan.accumulate_dtype}"] if plan.accumulate_dtype else []
+    made += ["scaler (GradScaler)"] if plan.scaler else []
+    made += [f"max_grad_norm={plan.max_grad_norm:g}"] if plan.max_grad_norm is not None else []
+    return [f"  made with: {', '.join(made)}"] if made else []
 
 
 def report_lines(plan: Plan) -> list[str]:

@@ -31,7 +31,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,7 +69,12 @@ logger = logging.getLogger(__name__)
 
 def _attempt(workload: Workload, candidate: Candidate, options: PlanOptions) -> TrialResult | None:
     """The trial's result; None when it ran out of memory (memory freed)."""
-    run = functools.partial(run_trial, accumulate_dtype=options.accumulate_dtype, scaler=options.scaler)
+    run = functools.partial(
+        run_trial,
+        accumulate_dtype=options.accumulate_dtype,
+        scaler=options.scaler,
+        max_grad_norm=options.max_grad_norm,
+    )
     return attempt(lambda: run(workload, candidate), workload.device)
 
 
@@ -83,6 +88,7 @@ def _extend_profile(
     policies: Sequence[str] | None,
     progress: ProgressFn | None,
     rules: SplitRules | None = None,
+    profiler: Callable[..., Profile] = profile_workload,
 ) -> Profile:
     """The profile again, up to the micro-batch the search chooses, when that is beyond the sizes measured.
 
@@ -103,7 +109,7 @@ def _extend_profile(
     )
     size = best.micro_batch_size  # sizes no smaller than the rules allow
     options = {"blocks": blocks, "policies": policies, "progress": progress}
-    return profile_with_rules(profile_workload, workload, rules, size, size, **options)
+    return profile_with_rules(profiler, workload, rules, size, size, **options)
 
 
 @distributed.single_process()
@@ -187,6 +193,11 @@ def _prepare(request: PlanRequest) -> Setup:
     )
 
 
+def _real_profiler(options: PlanOptions) -> Callable[..., Profile]:
+    """profile_workload with the step as the plan will run it (clipping: Accumulator's max_grad_norm)."""
+    return functools.partial(profile_workload, max_grad_norm=options.max_grad_norm)
+
+
 def _allocator_share(options: PlanOptions, spec: DeviceSpec | None, model_budget_bytes: int) -> int | None:
     """What the caching allocator may reserve under the budget, for the profile's replays
     (profile/reserved.py): the budget less what lies outside the allocator (the reserve, and a
@@ -214,7 +225,7 @@ def _profile(
     if profile is None:
         kinds = {"blocks": options.blocks, "policies": options.policies, "progress": options.progress}
         largest = options.max_profile_micro_batch_size or DEFAULT_MAX_PROFILE_SIZE
-        profile_fn = functools.partial(profile_for, spec=spec, real=profile_workload)
+        profile_fn = functools.partial(profile_for, spec=spec, real=_real_profiler(options))
         profile = profile_with_rules(profile_fn, workload, rules, per_rank_batch, largest, **kinds)
         logger.info(
             "planning %s: profiled %d blocks at micro-batch sizes %s in %.1f s",
@@ -233,6 +244,7 @@ def _profile(
             policies=options.policies,
             progress=options.progress,
             rules=rules,
+            profiler=_real_profiler(options),
         )
     return profile
 

@@ -37,9 +37,11 @@ def run_trial(
     *,
     accumulate_dtype: torch.dtype | None = None,
     scaler: bool = False,
+    max_grad_norm: float | None = None,
 ) -> TrialResult:
     """One optimizer step of ``candidate`` on the workload's model, under MemoryTracker, with the
-    Accumulator options the plan is made for (``accumulate_dtype``, a GradScaler when ``scaler``).
+    Accumulator options the plan is made for (``accumulate_dtype``, a GradScaler when ``scaler``,
+    ``max_grad_norm``).
 
     May raise an out-of-memory error; the model is restored either way.
     """
@@ -62,7 +64,12 @@ def run_trial(
 
             grad_scaler = torch.amp.GradScaler(device.type) if scaler else None
             accumulator = Accumulator(
-                model, optimizer, steps=len(batches), accumulate_dtype=accumulate_dtype, scaler=grad_scaler
+                model,
+                optimizer,
+                steps=len(batches),
+                accumulate_dtype=accumulate_dtype,
+                scaler=grad_scaler,
+                max_grad_norm=max_grad_norm,
             )
             accumulator._warned_batchnorm = True  # the trial's cut window; the plan's note covers BatchNorm
             with MemoryTracker(device, model=model, optimizer=optimizer) as tracker:

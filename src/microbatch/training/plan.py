@@ -137,6 +137,7 @@ def planned(
             trial=config.trial,
             progress=progress,
             scaler=config.precision == "fp16",
+            max_grad_norm=config.max_grad_norm,
         )
     except InfeasibleBudgetError as error:
         raise InfeasibleBudgetError(
