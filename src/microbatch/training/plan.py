@@ -110,7 +110,10 @@ def loaded_plan(config: TrainConfig, workload: Workload, path: str) -> Plan:
             f"is batch {config.batch} on {world}; pass --batch {loaded.batch_size}, or make a new plan"
         )
     loaded.check_model(workload.model, device=workload.device)
-    return prove(loaded, workload) if config.trial else loaded
+    if not config.trial:
+        return loaded
+    with distributed.single_process():  # rank 0 alone proves its own unwrapped model, as it plans
+        return prove(loaded, workload)
 
 
 def planned(
