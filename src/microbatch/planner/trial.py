@@ -301,7 +301,8 @@ def _search_and_prove(setup: Setup, request: PlanRequest) -> tuple[Candidate, Se
     if request.options.trial and setup.spec is None and sharded:
         setup.notes.append(
             f"shard={request.options.shard!r} over {request.options.world_size} ranks: no trial in this one "
-            "process (each rank's memory is predicted); prove it on the ranks with mb.prove"
+            "process (each rank's memory is predicted); prove it on every rank under torchrun with "
+            "microbatch.planner.prove(plan, workload)"
         )
     trials = _Trials()
     margin_free_pending = trial
