@@ -4,9 +4,10 @@ trial window, on every rank when the plan is for several.
 A plan for W ranks (``mb.plan(..., world_size=W, shard="fsdp")``) cannot be tried in the one process
 that made it: its per-rank memory is predicted. Under torchrun, each of the W ranks calls
 ``microbatch.planner.prove(plan, workload)`` with ``workload.model`` wrapped as it will train
-(FSDP2's fully_shard, DDP): every rank runs the trial window with the plan's options (its gradient sync, accumulate_dtype,
-scaler, max_grad_norm), the ranks' peaks are gathered, and the plan is proved only when every
-rank's peak is within the budget; otherwise every rank raises the same error, naming the ranks.
+(FSDP2's fully_shard, DDP): every rank runs the trial window with the plan's options (its gradient
+sync, accumulate_dtype, scaler, max_grad_norm), the ranks' peaks are gathered, and the plan is
+proved only when every rank's peak is within the budget; otherwise every rank raises the same
+error, naming the ranks.
 """
 
 from __future__ import annotations
