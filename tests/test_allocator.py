@@ -24,6 +24,7 @@ from microbatch.memory.allocator import (
     ddp_bucket_bytes,
     expandable_segments_enabled,
     is_small,
+    least_reserved,
     outside_allocator_bytes,
     replay,
     reserved_at,
@@ -261,3 +262,13 @@ def test_allocator_capacity_nests_and_restores() -> None:
         seen.append(current_capacity())
     seen.append(current_capacity())
     assert seen == [40 * MiB, None, 40 * MiB, None]
+
+
+def test_least_reserved_is_an_estimate_a_larger_capacity_may_fail() -> None:
+    # The bisection finds a capacity the sequence runs at; the non-monotone sequence above also
+    # fails at a larger one, which is why a known capacity is replayed directly (reserved_at).
+    events = [22 * MiB, 4 * MiB, -2, -1, 6 * MiB, 24 * MiB, 16 * MiB, -3, 22 * MiB]
+    estimate = least_reserved(events)
+    assert estimate.peak_reserved_bytes <= 64 * MiB
+    assert not reserved_at(events, capacity_bytes=estimate.peak_reserved_bytes).out_of_memory
+    assert reserved_at(events, capacity_bytes=66 * MiB).out_of_memory

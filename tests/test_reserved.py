@@ -14,6 +14,7 @@ from microbatch.memory import MemoryTracker
 from microbatch.memory.allocator import (
     AllocatorOutOfMemoryError,
     expandable_segments_enabled,
+    least_reserved,
     replay,
     reserved_at,
 )
@@ -172,16 +173,22 @@ def test_cuda_profile_predicts_reserved_bytes() -> None:
 
 def test_plan_replays_its_runs_at_the_budgets_share_of_the_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
     # The profile's replays run at the capacity the device has under the budget (the budget less
-    # the context allowance outside the allocator); a sharded plan's runs (the whole model) unlimited.
+    # the context allowance outside the allocator). A sharded plan's runs (the whole model, not a
+    # rank's memory) have no capacity of their own: least_reserved's estimate.
     import microbatch.profile.reserved as reserved_module
 
     capacities: list[int | None] = []
 
-    def recording(events: list[int], *, capacity_bytes: int | None, expandable_segments: bool) -> object:
+    def at(events: list[int], *, capacity_bytes: int | None, expandable_segments: bool) -> object:
         capacities.append(capacity_bytes)
         return reserved_at(events, capacity_bytes=capacity_bytes, expandable_segments=expandable_segments)
 
-    monkeypatch.setattr(reserved_module, "reserved_at", recording)
+    def estimate(events: list[int], *, expandable_segments: bool) -> object:
+        capacities.append(None)
+        return least_reserved(events, expandable_segments=expandable_segments)
+
+    monkeypatch.setattr(reserved_module, "reserved_at", at)
+    monkeypatch.setattr(reserved_module, "least_reserved", estimate)
     workload, spec = _many_small_tensors(), devices()["l4"]
     mb.plan(workload, batch=16, memory="600MiB", device="l4")
     assert capacities and set(capacities) == {600 * MiB - spec.context_bytes}

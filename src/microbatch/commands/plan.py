@@ -15,7 +15,6 @@ from ..hf.configs import (
     is_architecture,
     simulate_config_profile,
 )
-from ..memory.allocator import allocator_capacity
 from ..memory.device_specs import device_spec, devices
 from ..planner import plan
 from ..planner.applying import GRADIENT_SYNCS
@@ -130,22 +129,20 @@ def _architecture(args: argparse.Namespace, policies: list[str] | None, progress
         seq_len=args.seq_len, precision=args.precision, optimizer=args.optimizer, lora_rank=args.lora_rank
     )
     spec = device_spec(args.device)
-    budget = target_budget(args.memory, spec, None)  # one the preset cannot hold: refused before simulating
+    target_budget(args.memory, spec, None)  # a budget the preset cannot hold: refused before simulating
     per_rank = max(1, args.batch // max(1, args.world_size))
     # policies=None: none, full and selective (the simulated profiler's default). The solver takes
     # the identical layers by counts of each policy (planner/solve_runs.py), so depth costs little.
-    # The runs' allocator replays at the budget's share of the allocator (plan() does the same when
-    # it profiles); unlimited for several ranks (an upper bound: plan() leaves out only FSDP's).
-    share = budget - spec.context_bytes if args.world_size == 1 else None
-    with allocator_capacity(share):
-        return simulate_config_profile(
-            args.model,
-            setup,
-            spec,
-            max_micro_batch_size=min(per_rank, 16),
-            policies=policies,
-            progress=progress,
-        )
+    # The runs are of a two-layer copy, not the plan's memory: their allocator replays are
+    # estimates (profile/reserved.py), with no capacity set.
+    return simulate_config_profile(
+        args.model,
+        setup,
+        spec,
+        max_micro_batch_size=min(per_rank, 16),
+        policies=policies,
+        progress=progress,
+    )
 
 
 def _check_output(flag: str, path: str | None) -> None:

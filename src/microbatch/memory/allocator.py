@@ -344,6 +344,34 @@ def reserved_at(
         return dataclasses.replace(unlimited, out_of_memory=True)
 
 
+def least_reserved(
+    events: Sequence[int], *, expandable_segments: bool = False, resolution_bytes: int = ROUND_LARGE_BYTES
+) -> AllocatorPeaks:
+    """An estimate: the peaks of ``events`` at about the least capacity C they run at.
+
+    For a run that is not the memory of the plan it prices (a two-layer copy of a simulated
+    architecture, the whole-model runs of a sharded plan), no capacity is its own: near the
+    budget the allocator gives cached free segments back, so the unlimited replay's R overstates
+    the reserved bytes, and this takes the device as tight instead. A bisection between the peak
+    allocated bytes A and R, to within ``resolution_bytes`` (or 0.1 % of R): it assumes fitting
+    is monotone in C, which it is not (``reserved_at``): a capacity above the one found may fail.
+    Where the capacity is known, ``reserved_at`` is the answer.
+    """
+    unlimited = replay(events, expandable_segments=expandable_segments)
+    low, high = unlimited.peak_allocated_bytes - 1, unlimited.peak_reserved_bytes  # fails, runs
+    best = unlimited
+    step = max(resolution_bytes, unlimited.peak_reserved_bytes // 1000)
+    while high - low > step:
+        middle = (low + high) // 2
+        try:
+            best = replay(events, expandable_segments=expandable_segments, capacity_bytes=middle)
+        except AllocatorOutOfMemoryError:
+            low = middle
+            continue
+        high = middle
+    return best
+
+
 def expandable_segments_enabled() -> bool:
     """True when ``PYTORCH_CUDA_ALLOC_CONF`` turns expandable segments on (read by torch at CUDA init)."""
     import os

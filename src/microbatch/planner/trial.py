@@ -202,7 +202,7 @@ def _allocator_share(options: PlanOptions, spec: DeviceSpec | None, model_budget
     """What the caching allocator may reserve under the budget, for the profile's replays
     (profile/reserved.py): the budget less what lies outside the allocator (the reserve, and a
     simulated device's context allowance). None for a sharded plan: its runs hold the whole
-    model, which no rank's share holds, so their replays stay unlimited (an upper bound)."""
+    model, not a rank's memory, so their replays are estimates (allocator.least_reserved)."""
     if options.shard != "none" and options.world_size > 1:
         return None
     return model_budget_bytes - (spec.context_bytes if spec is not None else 0)
