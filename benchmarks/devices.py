@@ -44,9 +44,7 @@ def plan_row(model: str, device: str, *, batch: int, seq_len: int, precision: st
     )
     began = time.perf_counter()
     setup = ModelSetup(seq_len=seq_len, precision=precision)
-    workload, profile = simulate_config_profile(
-        model, setup, spec, max_micro_batch_size=min(batch, 16), policies=["none", "full"]
-    )
+    workload, profile = simulate_config_profile(model, setup, spec, max_micro_batch_size=min(batch, 16))
     row: dict[str, Any] = {"model": model, "device": device, "memory": memory, "command": command}
     row["accelerate_bytes"] = accelerate_estimate(workload.model, precision)
     try:
@@ -118,7 +116,8 @@ def section(report: dict[str, Any]) -> str:
             "allowance; time from a roofline on published peaks (a lower bound; real kernels reach 50-80 %). "
             "accelerate counts model states only; Korthikanti's formula (16-bit, no flash attention) is per "
             "layer times the layers at the plan's micro-batch, and misses the logits, SwiGLU's wider MLP and "
-            "GQA, while over-counting attention that SDPA does not keep. Policies searched: none and full. "
+            "GQA, while over-counting attention that SDPA does not keep. "
+            "Policies searched: none, full and selective. "
             f"Peak RSS of the whole run: {report['max_rss_mib']:.0f} MiB; measured on a machine shared with "
             "other jobs (planning seconds are wall-clock under that load).",
             "",

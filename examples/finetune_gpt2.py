@@ -43,13 +43,16 @@ def main(argv: Sequence[str] | None = None) -> list[float]:
     workload = hf.causal_lm_workload(
         model, hf.StdlibTextBatches(max_length=64, seed=0), name="tiny-gpt2-finetune"
     )
-    the_plan = mb.plan(workload, batch=args.batch, memory=args.memory, max_profile_micro_batch_size=8)
+    # Clipping is a plan input: the plan's trial clips as training will, and apply() sets it.
+    the_plan = mb.plan(
+        workload, batch=args.batch, memory=args.memory, max_profile_micro_batch_size=8, max_grad_norm=1.0
+    )
     print(the_plan)
     print()
 
     held_out = hf.StdlibTextBatches(max_length=64, seed=1)(64)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    accumulator = the_plan.apply(model, optimizer, max_grad_norm=1.0)
+    accumulator = the_plan.apply(model, optimizer)
 
     def evaluate() -> float:
         with torch.no_grad():

@@ -7,19 +7,27 @@ A GPU test compares the model's reserved peak with torch's on a real device.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from microbatch.errors import ConfigError, InfeasibleBudgetError
 from microbatch.memory.allocator import (
     AllocatorOutOfMemoryError,
     CachingAllocatorModel,
+    allocator_capacity,
     check_cuda_budget,
+    current_capacity,
     ddp_bucket_bytes,
     expandable_segments_enabled,
     is_small,
+    least_reserved,
     outside_allocator_bytes,
     replay,
+    reserved_at,
     round_size,
     segment_size,
 )
@@ -186,3 +194,81 @@ def test_tracker_events_replay_into_reserved_bytes() -> None:
     assert tracker.allocation_events == [3 * MiB, 12 * MiB, -1, 2 * MiB, -2, -3]
     peaks = replay(tracker.allocation_events or [])
     assert (peaks.peak_allocated_bytes, peaks.peak_reserved_bytes) == (15 * MiB, 20 * MiB)
+
+
+# ----------------------------------------------------------------------------- at the budget's capacity
+@st.composite
+def event_sequences(draw: st.DrawFn) -> list[int]:
+    """Allocations (bytes, small and large pool) and frees of earlier live allocations, in any order."""
+    events: list[int] = []
+    live: list[int] = []
+    made = 0
+    for _ in range(draw(st.integers(1, 14))):
+        if live and draw(st.booleans()):
+            events.append(-live.pop(draw(st.integers(0, len(live) - 1))))
+        else:
+            made += 1
+            live.append(made)
+            events.append(
+                draw(st.sampled_from([0, 300, 700 * KiB, 3 * MiB, 6 * MiB, 12 * MiB, 22 * MiB, 30 * MiB]))
+            )
+    return events
+
+
+@settings(max_examples=400, deadline=None)
+@given(events=event_sequences(), capacity_mib=st.integers(1, 120), expandable=st.booleans())
+def test_reserved_at_is_the_replay_at_that_capacity(
+    events: list[int], capacity_mib: int, expandable: bool
+) -> None:
+    capacity = capacity_mib * MiB
+    found = reserved_at(events, capacity_bytes=capacity, expandable_segments=expandable)
+    unlimited = replay(events, expandable_segments=expandable)
+    try:
+        direct = replay(events, capacity_bytes=capacity, expandable_segments=expandable)
+    except AllocatorOutOfMemoryError:
+        # Out of memory there: said so, with a peak above the capacity (the unlimited replay's).
+        assert found.out_of_memory and found == dataclasses.replace(unlimited, out_of_memory=True)
+        assert found.peak_reserved_bytes > capacity
+        return
+    assert found == direct and not found.out_of_memory
+    assert found.peak_reserved_bytes <= capacity
+    # The unlimited replay bounds the reserved peak at every capacity the sequence runs at.
+    assert unlimited.peak_reserved_bytes >= found.peak_reserved_bytes
+    assert reserved_at(events, capacity_bytes=None, expandable_segments=expandable) == unlimited
+
+
+def test_running_within_a_capacity_is_not_monotone() -> None:
+    # 22 and 4 MiB made and freed (a 22 MiB segment and a 20 MiB one cached), 6 MiB (into the 20 MiB
+    # segment), 24 MiB, 16 MiB, the 6 MiB freed, 22 MiB. At 62 MiB the 24 MiB request makes the
+    # allocator give the free 22 MiB segment back, and the rest fits (62 MiB reserved). At 66 MiB the
+    # 24 MiB request fits beside it, the 16 MiB tensor then takes that cached segment, and the last
+    # 22 MiB request finds only the 20 MiB segment to give back: out of memory on the larger device.
+    events = [22 * MiB, 4 * MiB, -2, -1, 6 * MiB, 24 * MiB, 16 * MiB, -3, 22 * MiB]
+    small = reserved_at(events, capacity_bytes=62 * MiB)
+    assert not small.out_of_memory and small.peak_reserved_bytes == 62 * MiB
+    assert reserved_at(events, capacity_bytes=66 * MiB).out_of_memory  # what a bisection assumed away
+    large = reserved_at(events, capacity_bytes=68 * MiB)
+    assert not large.out_of_memory and large.peak_reserved_bytes == 68 * MiB
+    assert replay(events).peak_reserved_bytes == 88 * MiB  # unlimited: nothing given back
+
+
+def test_allocator_capacity_nests_and_restores() -> None:
+    # plan() sets the capacity its profiling replays at (tests/test_reserved.py); outside, unlimited.
+    seen: list[int | None] = []
+    with allocator_capacity(40 * MiB):
+        seen.append(current_capacity())
+        with allocator_capacity(None):
+            seen.append(current_capacity())
+        seen.append(current_capacity())
+    seen.append(current_capacity())
+    assert seen == [40 * MiB, None, 40 * MiB, None]
+
+
+def test_least_reserved_is_an_estimate_a_larger_capacity_may_fail() -> None:
+    # The bisection finds a capacity the sequence runs at; the non-monotone sequence above also
+    # fails at a larger one, which is why a known capacity is replayed directly (reserved_at).
+    events = [22 * MiB, 4 * MiB, -2, -1, 6 * MiB, 24 * MiB, 16 * MiB, -3, 22 * MiB]
+    estimate = least_reserved(events)
+    assert estimate.peak_reserved_bytes <= 64 * MiB
+    assert not reserved_at(events, capacity_bytes=estimate.peak_reserved_bytes).out_of_memory
+    assert reserved_at(events, capacity_bytes=66 * MiB).out_of_memory

@@ -16,6 +16,7 @@ from microbatch.memory.allocator import (
     expandable_segments_enabled,
     least_reserved,
     replay,
+    reserved_at,
 )
 from microbatch.memory.device_specs import devices
 from microbatch.profile import profile_workload
@@ -52,17 +53,21 @@ def _profile() -> Profile:
     return Profile("p", "cuda", (1, 8), (), 0, 0, 0, "SGD", zero, 0, 0.0, zero)
 
 
-def test_least_reserved_gives_cached_segments_back_before_failing() -> None:
+def test_reserved_at_gives_cached_segments_back_before_failing() -> None:
     # Two 12 MiB tensors, the first freed, then 24 MiB: unlimited, the free 12 MiB segment stays
-    # cached beside a new 24 MiB one (48 MiB reserved); on a 36 MiB device the allocator releases
-    # it and the sequence runs with 36 MiB reserved, its allocated peak: no smaller device runs it.
+    # cached beside a new 24 MiB one (48 MiB reserved); on a 36-47 MiB device the allocator releases
+    # it and the sequence runs with 36 MiB reserved, its allocated peak; below 36 MiB nothing runs it.
     events = [12 * MiB, 12 * MiB, -1, 24 * MiB]
     assert replay(events).peak_reserved_bytes == 48 * MiB
-    assert least_reserved(events).peak_reserved_bytes == 36 * MiB
+    for capacity in (36 * MiB, 40 * MiB, 47 * MiB):
+        assert reserved_at(events, capacity_bytes=capacity).peak_reserved_bytes == 36 * MiB
+    assert reserved_at(events, capacity_bytes=48 * MiB).peak_reserved_bytes == 48 * MiB
+    short = reserved_at(events, capacity_bytes=36 * MiB - 512)
+    assert short.out_of_memory and short.peak_reserved_bytes == 48 * MiB
     with pytest.raises(AllocatorOutOfMemoryError):
         replay(events, capacity_bytes=36 * MiB - 512)
-    # Nothing to give back: the unlimited peak is the least.
-    assert least_reserved([3 * MiB, 700 * 1024]).peak_reserved_bytes == 22 * MiB
+    # Nothing to give back: the unlimited peak at any capacity that holds it.
+    assert reserved_at([3 * MiB, 700 * 1024], capacity_bytes=None).peak_reserved_bytes == 22 * MiB
 
 
 def test_step_peak_is_the_replayed_reserved_peak_above_the_start() -> None:
@@ -110,7 +115,10 @@ def test_simulated_cuda_plan_predicts_the_replayed_reserved_peak() -> None:
         workload, spec, micro_batch_sizes=plan.micro_batch_sizes, policies=dict(plan.block_policies)
     )
     assert tracker.allocation_events is not None
-    window = least_reserved(tracker.allocation_events)  # what the budget must hold for the window
+    # What the budget must hold for the window: the replay at the budget's share of the allocator
+    # (the budget less the context allowance), as plan() replayed its profiled runs.
+    window = reserved_at(tracker.allocation_events, capacity_bytes=600 * MiB - spec.context_bytes)
+    assert not window.out_of_memory
     predicted = plan.predicted_peak_bytes - spec.context_bytes  # the allowance outside the allocator
     overhead = dict(plan.peak_parts)["caching allocator (reserved - live)"]
     # The step bounds this plan's peak; the prediction adds the micro-batches' cached segments as a
@@ -132,7 +140,8 @@ def test_simulated_cuda_plan_bound_by_activations_predicts_reserved_within_3_per
         workload, spec, micro_batch_sizes=plan.micro_batch_sizes, policies=dict(plan.block_policies)
     )
     assert tracker.allocation_events is not None
-    window = least_reserved(tracker.allocation_events)
+    window = reserved_at(tracker.allocation_events, capacity_bytes=1024 * MiB - spec.context_bytes)
+    assert not window.out_of_memory
     predicted = plan.predicted_peak_bytes - spec.context_bytes
     # Measured when written: predicted 45.66 MB, window 46.14 MB reserved (-1.0 %), 33.94 MB live.
     assert predicted == pytest.approx(window.peak_reserved_bytes, rel=0.03)
@@ -160,3 +169,29 @@ def test_cuda_profile_predicts_reserved_bytes() -> None:
     # The trial measures torch's reserved peak (+ the same allowance): the prediction models it.
     assert chosen.predicted_peak_bytes == pytest.approx(chosen.measured_peak_bytes, rel=0.15)
     assert any(profile.peak_kind in note for note in chosen.notes)
+
+
+def test_plan_replays_its_runs_at_the_budgets_share_of_the_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The profile's replays run at the capacity the device has under the budget (the budget less
+    # the context allowance outside the allocator). A sharded plan's runs (the whole model, not a
+    # rank's memory) have no capacity of their own: least_reserved's estimate.
+    import microbatch.profile.reserved as reserved_module
+
+    capacities: list[int | None] = []
+
+    def at(events: list[int], *, capacity_bytes: int | None, expandable_segments: bool) -> object:
+        capacities.append(capacity_bytes)
+        return reserved_at(events, capacity_bytes=capacity_bytes, expandable_segments=expandable_segments)
+
+    def estimate(events: list[int], *, expandable_segments: bool) -> object:
+        capacities.append(None)
+        return least_reserved(events, expandable_segments=expandable_segments)
+
+    monkeypatch.setattr(reserved_module, "reserved_at", at)
+    monkeypatch.setattr(reserved_module, "least_reserved", estimate)
+    workload, spec = _many_small_tensors(), devices()["l4"]
+    mb.plan(workload, batch=16, memory="600MiB", device="l4")
+    assert capacities and set(capacities) == {600 * MiB - spec.context_bytes}
+    capacities.clear()
+    mb.plan(workload, batch=16, memory="600MiB", device="l4", world_size=2, shard="fsdp")
+    assert capacities and set(capacities) == {None}

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from microbatch.errors import ConfigError
-from microbatch.planner import solve
-from microbatch.planner.search import candidate_sizes
+from microbatch.planner import solve, solve_runs
+from microbatch.planner.windows import candidate_sizes
 from microbatch.trees.batches import micro_batch_sizes
 
 # Whole-number seconds keep every sum exact, so "equal time" means equal.
@@ -140,3 +140,116 @@ def test_candidate_sizes_keep_the_batch_exact(batch: int) -> None:
 def test_empty_option_list_is_an_error() -> None:
     with pytest.raises(ConfigError, match="no options"):
         solve.minimum_peak([solve.Segment("x", ())])
+
+
+# Chains with runs of identical blocks: a run repeats one block's options n times, each copy's peaks
+# `drift` bytes lower than the one before (the window's first micro-batch: one block's gradients fewer
+# per step), optionally with a single-option segment (the code between blocks) before each copy.
+@st.composite
+def run_chains(draw: st.DrawFn) -> list[solve.Segment]:
+    segments: list[solve.Segment] = []
+    blocks = 0
+    while blocks < 7 and (not segments or draw(st.booleans())):
+        if draw(st.booleans()):
+            segments.append(
+                solve.Segment(f"s{len(segments)}", draw(st.lists(options, min_size=1, max_size=3).map(tuple)))
+            )
+            blocks += 1
+            continue
+        block = draw(st.lists(options, min_size=2, max_size=3).map(tuple))
+        copies = draw(st.integers(2, 7 - blocks)) if blocks < 6 else 1
+        drift = draw(st.sampled_from([0, 0, draw(st.integers(-300, 300))]))
+        gap = draw(st.none() | options)
+        for j in range(copies):
+            if gap is not None:
+                segments.append(solve.Segment(f"g{len(segments)}", (gap,)))
+            shifted = tuple(
+                solve.Option(o.policy, o.kept_bytes, o.peak_bytes - j * drift, o.extra_seconds) for o in block
+            )
+            segments.append(solve.Segment(f"b{len(segments)}", shifted))
+        blocks += copies
+    return segments
+
+
+@settings(max_examples=300, deadline=None)
+@given(chain=run_chains(), capacity=st.integers(-500, 8000))
+def test_run_solver_equals_brute_force(chain: list[solve.Segment], capacity: int) -> None:
+    expected = brute_force(chain, capacity)
+    found = solve.solve(chain, capacity)
+    if expected is None:
+        assert found is None
+        return
+    assert found is not None
+    assert found.peak_bytes <= capacity
+    assert found == solve.evaluate(chain, found.choice)  # a choice per real segment, its own costs
+    assert found.extra_seconds == expected.extra_seconds
+    # The lowest peak at that time: the frontier's fastest point within the capacity.
+    fastest = next(s for s in solve.frontier(chain, max_points=10_000) if s.peak_bytes <= capacity)
+    assert (fastest.extra_seconds, fastest.peak_bytes) == (expected.extra_seconds, expected.peak_bytes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(chain=run_chains())
+def test_run_frontier_and_minimum_equal_brute_force(chain: list[solve.Segment]) -> None:
+    found = solve.frontier(chain, max_points=10_000)
+    assert {(s.peak_bytes, s.extra_seconds) for s in found} == brute_frontier(chain)
+    assert all(s == solve.evaluate(chain, s.choice) for s in found)
+    lowest = min(s.peak_bytes for s in all_choices(chain))
+    assert solve.minimum_peak(chain).peak_bytes == lowest
+    # The fallback (solving at falling capacities) finds the same points.
+    fallback = solve.frontier(chain, max_points=10_000, max_states=1)
+    assert [(s.peak_bytes, s.extra_seconds) for s in fallback] == [
+        (s.peak_bytes, s.extra_seconds) for s in found
+    ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    block=st.lists(options, min_size=1, max_size=3).map(tuple),
+    counts=st.lists(st.integers(0, 3), min_size=3, max_size=3),
+    drift=st.integers(-300, 300),
+)
+def test_sorted_order_is_the_best_order_of_a_run(
+    block: tuple[solve.Option, ...], counts: list[int], drift: int
+) -> None:
+    # The closed-form peak of a count vector (solve_runs.mixes) is the least over every order.
+    counts = counts[: len(block)]
+    if sum(counts) == 0:
+        counts[0] = 1
+    costs = tuple((o.kept_bytes, o.peak_bytes, o.extra_seconds) for o in block)
+    mix = next(m for m in solve_runs.mixes(costs, sum(counts), drift) if list(m.counts) == counts)
+    multiset = [o for o, c in enumerate(counts) for _ in range(c)]
+
+    def run_peak(order: tuple[int, ...]) -> int:
+        # Unit j peaks at sum_{i<j} kept(o_i) + peak(o_j) - j * drift.
+        level, top = 0, None
+        for j, option in enumerate(order):
+            here = level + costs[option][1] - j * drift
+            top = here if top is None else max(top, here)
+            level += costs[option][0]
+        assert top is not None
+        return top
+
+    assert mix.peak_bytes == min(run_peak(order) for order in set(itertools.permutations(multiset)))
+    assert mix.kept_bytes == sum(costs[o][0] for o in multiset)
+
+
+def test_identical_blocks_are_one_group_of_count_vectors() -> None:
+    # 31 identical blocks with the code between them: one group of C(31 + 2, 2) = 528 mixes after
+    # the first block (which the embeddings before it make different).
+    block = (solve.Option("none", 900, 1000, 0.0), solve.Option("selective", 400, 1100, 1.0))
+    block += (solve.Option("full", 30, 1100, 2.0),)
+    chain = [solve.Segment("embed", (solve.Option("none", 50, 2000, 0.0),))]
+    for index in range(32):
+        if index:
+            chain.append(solve.Segment(f"gap{index}", (solve.Option("none", 0, 0, 0.0),)))
+        chain.append(solve.Segment(f"block{index}", block))
+    chain.append(solve.Segment("head", (solve.Option("none", 2000, 6000, 0.0),)))
+    groups = solve_runs.groups(chain)
+    assert [len(g.units) for g in groups] == [1, 31, 1]
+    assert len(groups[1].mixes) == math.comb(33, 2)
+    # Within a budget that holds 10 blocks' activations but not 11, the fastest plan keeps the
+    # cheapest-to-recompute blocks first, and the choice names every real segment.
+    found = solve.solve(chain, 20_000)
+    assert found is not None and len(found.choice) == len(chain)
+    assert found == solve.evaluate(chain, found.choice)

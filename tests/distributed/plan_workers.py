@@ -164,3 +164,36 @@ def ddp_plan(plan_dict: dict[str, Any], windows: int) -> dict[str, Any]:
     plan.remove(ddp)
     removed = not any("forward" in block.__dict__ for block in ddp.module.blocks)
     return {"grads": captured, "reduces": per_window, "checkpointed": checkpointed, "removed": removed}
+
+
+def prove_plans(plan_dicts: dict[str, dict[str, Any]], windows: int) -> dict[str, dict[str, Any]]:
+    """mb.prove on this rank's FSDP2-sharded model for each plan (all ranks together), then the same
+    plan trained under the outside tracker; and the proof of a copy whose budget is below the peak."""
+    import dataclasses
+
+    from microbatch.planner import prove
+
+    found: dict[str, dict[str, Any]] = {}
+    for name, plan_dict in plan_dicts.items():
+        plan = mb.Plan.from_dict(plan_dict)
+        sharded = mb.Workload(
+            model=_sharded(make_model()),
+            make_batch=make_batch,
+            loss=loss_fn,
+            optimizer=lambda m: torch.optim.Adam(m.parameters(), lr=0.0),
+            name="mlp4",
+        )
+        proved = prove(plan, sharded)
+        tight = dataclasses.replace(plan, budget_bytes=proved.measured_peak_bytes - 1)
+        try:
+            prove(tight, sharded)
+            refused = ""
+        except mb.InfeasibleBudgetError as error:
+            refused = str(error)
+        found[name] = {
+            "measured": proved.measured_peak_bytes,
+            "notes": list(proved.notes),
+            "refused": refused,
+            "training": train_plan(plan_dict, windows, {})["peaks"],
+        }
+    return found

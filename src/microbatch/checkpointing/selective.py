@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -65,7 +66,12 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _storage_address(tensor: torch.Tensor) -> int:
-    """Where the tensor's memory starts (shared by all its views); 0 where it has none to compare."""
+    """Where the tensor's memory starts (shared by all its views); 0 where it has none to compare.
+
+    A fake tensor (the simulated profiler) has no memory: 0, without asking (torch warns on it).
+    """
+    if isinstance(tensor, FakeTensor):
+        return 0
     try:
         return int(tensor.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError, TypeError):  # tensor subclasses without a storage

@@ -124,6 +124,12 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="--shard fsdp: reduce-scatter once per window or every micro-batch (default: planner chooses)",
     )
+    parser.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=None,
+        help="clip gradients to this total norm once per window (the plan is made, and applied, with it)",
+    )
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (architectures)")
     parser.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16", help="parameter dtype")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (architectures)")
@@ -144,9 +150,10 @@ def _architecture(args: argparse.Namespace, policies: list[str] | None, progress
     spec = device_spec(args.device)
     target_budget(args.memory, spec, None)  # a budget the preset cannot hold: refused before simulating
     per_rank = max(1, args.batch // max(1, args.world_size // max(1, args.pipeline)))
-    # Identical layers with three options each cost the exact solver O(L^2) partial plans per
-    # layer; none and full keep it O(L). --policies none,full,selective adds selective.
-    policies = policies if policies is not None else ["none", "full"]
+    # policies=None: none, full and selective (the simulated profiler's default). The solver takes
+    # the identical layers by counts of each policy (planner/solve_runs.py), so depth costs little.
+    # The runs are of a two-layer copy, not the plan's memory: their allocator replays are
+    # estimates (profile/reserved.py), with no capacity set.
     return simulate_config_profile(
         args.model,
         setup,
@@ -226,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
             gradient_sync=args.gradient_sync,
             pipeline=args.pipeline,
             pipeline_schedule=args.pipeline_schedule,
+            max_grad_norm=args.max_grad_norm,
         )
     finally:
         if progress is not None:

@@ -27,8 +27,11 @@ processes) is measured, not modelled: ``outside_allocator_bytes``.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import dataclasses
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -188,10 +191,14 @@ class _Pool:
 
 @dataclass(frozen=True)
 class AllocatorPeaks:
-    """Peaks of a replayed sequence: live (allocated, rounded) and reserved bytes, as torch reports them."""
+    """Peaks of a replayed sequence: live (allocated, rounded) and reserved bytes, as torch reports them.
+
+    ``out_of_memory``: the sequence does not run at the capacity it was replayed at (``reserved_at``).
+    """
 
     peak_allocated_bytes: int
     peak_reserved_bytes: int
+    out_of_memory: bool = False
 
 
 class CachingAllocatorModel:
@@ -288,18 +295,67 @@ def replay(
     return AllocatorPeaks(model.peak_allocated_bytes, model.peak_reserved_bytes)
 
 
+_CAPACITY: ContextVar[int | None] = ContextVar("microbatch_allocator_capacity", default=None)
+
+
+@contextlib.contextmanager
+def allocator_capacity(capacity_bytes: int | None) -> Iterator[None]:
+    """Within the block, ``reserved_at`` replays at ``capacity_bytes`` when given none (None: unlimited).
+
+    The planner sets the budget's share of the allocator around the profiling it runs, so each
+    profiled run's reserved peak is the one the device has at the budget (profile/reserved.py).
+    """
+    token = _CAPACITY.set(capacity_bytes)
+    try:
+        yield
+    finally:
+        _CAPACITY.reset(token)
+
+
+def current_capacity() -> int | None:
+    """The capacity ``allocator_capacity`` set around the caller (None: unlimited)."""
+    return _CAPACITY.get()
+
+
+def reserved_at(
+    events: Sequence[int], *, capacity_bytes: int | None, expandable_segments: bool = False
+) -> AllocatorPeaks:
+    """What the device does with ``events`` when the allocator may reserve ``capacity_bytes``.
+
+    Running within a capacity C is not monotone in C: the allocator gives its cached free segments
+    back only when a new segment does not fit, so a smaller device can run a sequence (it released
+    a free segment early) that a larger one fails (it kept that segment cached, and later the
+    cache's free blocks are split the wrong way). So the answer is the replay at the budget's own
+    capacity, not a bisection over capacities.
+
+    The replay at C: its peaks, at most C reserved. When it runs out, the peaks of the unlimited
+    replay with ``out_of_memory=True``: that peak exceeds C, because both replays are the same
+    until the first request the capacity cannot serve, and there the unlimited one reserves
+    more than C. ``capacity_bytes=None``: the unlimited replay, an upper bound of the reserved
+    peak at every capacity the sequence runs at (by the same argument: up to the first release
+    the two are the same, and after it the capped one stays within C, below that first excess).
+    """
+    if capacity_bytes is None:
+        return replay(events, expandable_segments=expandable_segments)
+    try:
+        return replay(events, expandable_segments=expandable_segments, capacity_bytes=capacity_bytes)
+    except AllocatorOutOfMemoryError:
+        unlimited = replay(events, expandable_segments=expandable_segments)
+        return dataclasses.replace(unlimited, out_of_memory=True)
+
+
 def least_reserved(
     events: Sequence[int], *, expandable_segments: bool = False, resolution_bytes: int = ROUND_LARGE_BYTES
 ) -> AllocatorPeaks:
-    """The peaks of ``events`` on the smallest device they run on without an OOM.
+    """An estimate: the peaks of ``events`` at about the least capacity C they run at.
 
-    Without a limit the allocator never gives a segment back, so a sequence whose tensors grow
-    reserves new segments while older, smaller ones sit cached and free: the unlimited reserved
-    peak R overstates what the sequence needs. With capacity C the allocator releases its free
-    segments before it fails, and torch's reserved peak stays <= C. The least C that runs lies
-    between the peak allocated bytes A (reserved >= allocated) and R; it is found by bisection
-    to within ``resolution_bytes`` (or 0.1 % of R, when larger), and the peaks returned are the
-    replay's at that C.
+    For a run that is not the memory of the plan it prices (a two-layer copy of a simulated
+    architecture, the whole-model runs of a sharded plan), no capacity is its own: near the
+    budget the allocator gives cached free segments back, so the unlimited replay's R overstates
+    the reserved bytes, and this takes the device as tight instead. A bisection between the peak
+    allocated bytes A and R, to within ``resolution_bytes`` (or 0.1 % of R): it assumes fitting
+    is monotone in C, which it is not (``reserved_at``): a capacity above the one found may fail.
+    Where the capacity is known, ``reserved_at`` is the answer.
     """
     unlimited = replay(events, expandable_segments=expandable_segments)
     low, high = unlimited.peak_allocated_bytes - 1, unlimited.peak_reserved_bytes  # fails, runs

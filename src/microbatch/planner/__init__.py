@@ -7,7 +7,7 @@ over micro-batch sizes. ``plans``: the Plan result, ``Plan.apply``, ``Plan.manua
 ``options``: PlanOptions, plan()'s options with their defaults and checks. ``trial``: ``plan()``,
 which profiles, searches, proves the choice in one real window and re-plans when it does not fit.
 ``applying``: what ``Plan.apply`` holds to (options that change memory, wrapped models).
-``proof``: ``prove``, one trial window for a plan made elsewhere (loaded, manual).
+``proof``: ``prove``, one trial window for a plan made elsewhere (loaded, manual, sharded: on every rank).
 
 May import: ``errors``, ``trees``, ``memory``, ``workload``, ``distributed``, ``accumulate``,
 ``checkpointing``, ``profile``; it reaches the model only through the profile and the trial.

@@ -1,11 +1,13 @@
 """What ``Plan.apply`` checks and builds: the model inside a data-parallel wrapper, and the
 Accumulator options that change memory, held to what the plan was made with.
 
-Options that allocate are plan inputs (``mb.plan(..., accumulate_dtype=..., scaler=True)``): the
+Options that allocate are plan inputs (``mb.plan(..., accumulate_dtype=..., scaler=True,
+max_grad_norm=1.0)``): the
 profile and the trial ran with them, so the plan's peak holds only with them. ``apply`` therefore
 
 - takes ``accumulate_dtype`` and the FSDP sync mode from the plan when they are not given, and
   refuses a different value, naming it;
+- takes ``max_grad_norm`` (clipping's norm temporaries) from the plan and refuses a different one;
 - refuses a GradScaler when the plan was made without one (its scale and found-inf tensors, and the
   unscale's work, were not measured).
 
@@ -88,6 +90,7 @@ def accumulator_options(
     scaler: bool,
     gradient_sync: str,
     given: dict[str, Any],
+    max_grad_norm: float | None = None,
 ) -> dict[str, Any]:
     """``given`` with the plan's memory-changing options filled in; ConfigError on a mismatch."""
     options = dict(given)
@@ -105,6 +108,13 @@ def accumulator_options(
             "plan.apply(scaler=...): the plan was made without a GradScaler, whose tensors and unscale it "
             "did not measure; make the plan with mb.plan(..., scaler=True)"
         )
+    if "max_grad_norm" in options and options["max_grad_norm"] != max_grad_norm:
+        raise ConfigError(
+            f"plan.apply(max_grad_norm={options['max_grad_norm']}): the plan was made with "
+            f"max_grad_norm={max_grad_norm} and its peak holds only so; make the plan with "
+            "mb.plan(..., max_grad_norm=...) or leave it out (apply sets it)"
+        )
+    options["max_grad_norm"] = max_grad_norm
     every = gradient_sync == "micro-batch"
     if "sync_every_micro_batch" in options and bool(options["sync_every_micro_batch"]) != every:
         raise ConfigError(

@@ -9,6 +9,7 @@ A keyword that is not a field is refused, naming it and the fields there are.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,8 @@ class PlanOptions:
     # micro-batches per pipeline step, where to cut and a policy per block.
     pipeline: int = 1
     pipeline_schedule: str | None = None
+    # Gradients clipped to this total norm once per window (Accumulator's max_grad_norm).
+    max_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         _positive_int("world_size", self.world_size)
@@ -109,6 +112,7 @@ class PlanOptions:
                 "accumulate_dtype must be a floating torch.dtype such as torch.float32, "
                 f"got {self.accumulate_dtype!r}"
             )
+        check_max_grad_norm(self.max_grad_norm, "max_grad_norm")
         names = (
             "trial",
             "gradient_as_bucket_view",
@@ -134,6 +138,19 @@ class PlanOptions:
         if not isinstance(base, PlanOptions):
             raise ConfigError(f"options must be a PlanOptions, got {type(base).__name__}")
         return dataclasses.replace(base, **keywords) if keywords else base
+
+
+def check_max_grad_norm(value: object, name: str) -> None:
+    """None, or a finite number > 0 (what Accumulator's max_grad_norm clips to)."""
+    if value is None:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(f"{name} must be a finite number > 0 (or None: no clipping), got {value!r}")
 
 
 def _positive_int(name: str, value: object) -> None:

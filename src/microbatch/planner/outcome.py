@@ -100,6 +100,7 @@ def plan_of(
         device=workload.device.type,
         accumulate_dtype=dtype_name(request.options.accumulate_dtype),
         scaler=request.options.scaler,
+        max_grad_norm=request.options.max_grad_norm,
         gradient_sync=setup.gradient_sync,
     )
     spec, shard = setup.spec, request.options.shard

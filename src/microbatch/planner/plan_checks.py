@@ -177,6 +177,11 @@ def _labels(data: Mapping[str, Any]) -> None:
             raise _refuse(field, data[field], "not a string")
     if data.get("device") is not None and not isinstance(data["device"], str):
         raise _refuse("device", data["device"], "not a device type such as 'cpu' or 'cuda'")
+    norm = data.get("max_grad_norm")
+    if norm is not None and (
+        isinstance(norm, bool) or not isinstance(norm, (int, float)) or not math.isfinite(norm) or norm <= 0
+    ):
+        raise _refuse("max_grad_norm", norm, "not a finite number > 0 (or null: no clipping)")
     if "simulated" in data and not isinstance(data["simulated"], bool):
         raise _refuse("simulated", data["simulated"], "not true or false")
     notes = data.get("notes", [])

@@ -28,6 +28,7 @@ from .applying import inner_model
 from .pipeline_apply import build_pipeline
 from .plan_checks import check_plan_data, read_plan_file
 from .text import NONE, plan_text, summarize_policies
+from .windows import describe_split
 
 # The attribute of a model that a plan's apply() marks (holding the checkpoint handle, or None).
 
@@ -117,6 +118,7 @@ class Plan:
     stage_peak_bytes: tuple[int, ...] = ()  # predicted peak of each stage's ranks
     measured_stage_peak_bytes: tuple[int, ...] = ()  # the trial on the ranks: each stage's worst rank
     bubble_fraction: float = 0.0  # (S - 1) / (m + S - 1): the share of a pipeline step spent idle
+    max_grad_norm: float | None = None  # gradients clipped to this total norm once per window
 
     @property
     def policies(self) -> dict[str, str]:
@@ -156,7 +158,7 @@ class Plan:
         ``model``: the model, or its DDP / FSDP2 / torch.compile wrapper (the blocks are checkpointed in
         the module inside; the Accumulator gets the wrapper, for its gradient sync). ``accumulator_options``
         go to Accumulator (scheduler, max_grad_norm, scaler, ...); the options that change memory
-        (accumulate_dtype, scaler, the FSDP sync mode) must be those the plan was made with
+        (accumulate_dtype, scaler, the FSDP sync mode, max_grad_norm) must be those the plan was made with
         (planner/applying.py) and default to them. Feed it micro-batches of ``micro_batch_sizes``
         (``plan.split(batch)`` cuts a rank's batch): it warns once when a full window holds another
         number of samples than the plan's per-rank batch. ``plan.remove(model)`` undoes both;
@@ -173,6 +175,7 @@ class Plan:
                 accumulate_dtype=self.accumulate_dtype,
                 scaler=self.scaler,
                 gradient_sync=self.gradient_sync,
+                max_grad_norm=self.max_grad_norm,
                 given=options,
             )
         options.setdefault("samples_per_window", sum(self.micro_batch_sizes))
@@ -263,6 +266,7 @@ class Plan:
             "accumulate_dtype": self.accumulate_dtype,
             "scaler": self.scaler,
             "gradient_sync": self.gradient_sync,
+            "max_grad_norm": self.max_grad_norm,
             "estimates": dict(self.estimates),
             "pipeline_stages": self.pipeline_stages,
             "pipeline_schedule": self.pipeline_schedule,
@@ -388,10 +392,7 @@ class Plan:
 
     def headline(self) -> str:
         """One line: the split, the checkpointing, the predicted (and measured) peak and the budget."""
-        sizes = self.micro_batch_sizes
-        split = f"{self.micro_batch_size} x {self.steps}"
-        if len(sizes) > 1 and sizes[-1] != sizes[0]:
-            split = f"{self.micro_batch_size} x {self.steps - 1} + {sizes[-1]}"
+        split = describe_split(self.micro_batch_sizes)
         ranks = f" x {self.world_size} ranks" if self.world_size > 1 else ""
         if self.pipeline_stages > 1:
             stages = f"{self.pipeline_stages} stages ({self.pipeline_schedule})"

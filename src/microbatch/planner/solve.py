@@ -23,16 +23,25 @@ The policy problem for a capacity C is: minimise sum_k extra_seconds[k, o_k] sub
 P_{k-1} + peak_bytes[k, o_k] <= C for every k. Each block picks one of its options (a
 multiple-choice knapsack) and the constraint holds at every prefix.
 
-Exact solution: dynamic programming over the chain, keeping after each segment the Pareto set of
+Exact solution: dynamic programming over the chain, keeping after each step the Pareto set of
 partial plans (P_k, seconds): a partial plan with no more kept bytes and no more seconds than
 another is as good for every continuation, because the later constraints depend on the past only
-through P_k. Bytes are integers, so nothing is rounded. For uniform blocks the Pareto set holds at
-most one plan per count of each option (O(L^2) for three options); ``max_states`` bounds it for
-large heterogeneous chains, merging plans whose kept bytes agree within a resolution.
+through P_k. Bytes are integers, so nothing is rounded. A step is a *group* (solve_runs.py): a
+run of identical blocks (and the single-option code between them) is one step whose options are
+the counts of blocks taking each policy, each priced in the order proven best there. So L
+identical blocks with K policies cost C(L + K - 1, K - 1) mixes in one step, not a dynamic
+program over L steps of O(L^(K-1)) partial plans each; a chain with no repeats has one group per
+block, as before. ``max_states`` bounds the Pareto set for large heterogeneous chains, merging
+plans whose kept bytes agree within a resolution.
+
+``frontier`` keeps the Pareto set of (P_k, peak so far, seconds) in one pass (a partial plan no
+worse in all three is as good for every continuation: the final peak is max(peak so far, P_k +
+what follows)), and the final (peak, seconds) Pareto set is the frontier.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from collections.abc import Sequence
@@ -40,6 +49,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..profile.costs import chain_peak
+from . import solve_runs
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +108,7 @@ class _State:
     kept_bytes: int
     seconds: float
     peak_bytes: int
-    choice: tuple[int, ...]
+    choice: tuple[int, ...]  # the mix index taken in each group so far
 
 
 def _pareto(states: list[_State]) -> list[_State]:
@@ -131,6 +141,21 @@ def _thin(states: list[_State], max_states: int) -> list[_State]:
     return _pareto(list(kept.values()))
 
 
+def _groups(segments: Sequence[Segment]) -> list[solve_runs.Group]:
+    empty = [segment.name for segment in segments if not segment.options]
+    if empty:
+        raise ConfigError(f"policy solver: segment(s) {', '.join(empty)} have no options")
+    return solve_runs.groups(segments)
+
+
+def _expand(groups: Sequence[solve_runs.Group], choice: Sequence[int]) -> tuple[int, ...]:
+    """Mix indices per group -> one option index per real segment, in forward order."""
+    expanded: list[int] = []
+    for group, index in zip(groups, choice, strict=True):
+        expanded.extend(group.expand(group.mixes[index]))
+    return tuple(expanded)
+
+
 def solve(
     segments: Sequence[Segment], capacity_bytes: float, *, max_states: int = DEFAULT_MAX_STATES
 ) -> Solution | None:
@@ -139,22 +164,20 @@ def solve(
     None when nothing fits. Equally fast choices are told apart by peak only among those the
     pruning keeps; ``frontier`` gives the lowest peak for each time exactly.
     """
-    empty = [segment.name for segment in segments if not segment.options]
-    if empty:
-        raise ConfigError(f"policy solver: segment(s) {', '.join(empty)} have no options")
+    groups = _groups(segments)
     states = [_State(kept_bytes=0, seconds=0.0, peak_bytes=0, choice=())]
-    for segment in segments:
+    for group in groups:
         grown: list[_State] = []
         for state in states:
-            for index, option in enumerate(segment.options):
-                peak = state.kept_bytes + option.peak_bytes
-                if peak > capacity_bytes:
+            room = capacity_bytes - state.kept_bytes
+            for index, mix in enumerate(group.mixes):
+                if mix.peak_bytes > room:
                     continue
                 grown.append(
                     _State(
-                        kept_bytes=state.kept_bytes + option.kept_bytes,
-                        seconds=state.seconds + option.extra_seconds,
-                        peak_bytes=max(state.peak_bytes, peak),
+                        kept_bytes=state.kept_bytes + mix.kept_bytes,
+                        seconds=state.seconds + mix.extra_seconds,
+                        peak_bytes=max(state.peak_bytes, state.kept_bytes + mix.peak_bytes),
                         choice=(*state.choice, index),
                     )
                 )
@@ -163,30 +186,28 @@ def solve(
         states = _thin(_pareto(grown), max_states)
     best = min(states, key=lambda s: (s.seconds, s.peak_bytes, s.choice))
     # Recompute the sums in chain order so equal choices report bit-identical costs.
-    return evaluate(segments, best.choice)
+    return evaluate(segments, _expand(groups, best.choice))
 
 
 def minimum_peak(segments: Sequence[Segment]) -> Solution:
     """The choice with the lowest activation peak, whatever it costs in time.
 
-    Dynamic programming over the chain with the Pareto set of (P_k, peak so far): a partial plan
+    Dynamic programming over the groups with the Pareto set of (P_k, peak so far): a partial plan
     that keeps no more and has peaked no higher than another is as good for every continuation.
     """
-    empty = [segment.name for segment in segments if not segment.options]
-    if empty:
-        raise ConfigError(f"policy solver: segment(s) {', '.join(empty)} have no options")
+    groups = _groups(segments)
     # (kept, peak, seconds, choice), pruned to the states no other beats in both kept and peak.
     states: list[tuple[int, int, float, tuple[int, ...]]] = [(0, 0, 0.0, ())]
-    for segment in segments:
+    for group in groups:
         grown = [
             (
-                kept + option.kept_bytes,
-                max(peak, kept + option.peak_bytes),
-                seconds + option.extra_seconds,
+                kept + mix.kept_bytes,
+                max(peak, kept + mix.peak_bytes),
+                seconds + mix.extra_seconds,
                 (*choice, i),
             )
             for kept, peak, seconds, choice in states
-            for i, option in enumerate(segment.options)
+            for i, mix in enumerate(group.mixes)
         ]
         grown.sort(key=lambda state: (state[0], state[1], state[2]))
         states, lowest_peak = [], math.inf
@@ -197,15 +218,75 @@ def minimum_peak(segments: Sequence[Segment]) -> Solution:
         if len(states) > DEFAULT_MAX_STATES:
             states = states[:: math.ceil(len(states) / DEFAULT_MAX_STATES)] + states[-1:]
     best = min(states, key=lambda state: (state[1], state[2]))
-    return evaluate(segments, best[3])
+    return evaluate(segments, _expand(groups, best[3]))
 
 
-def frontier(segments: Sequence[Segment], *, max_points: int = 64) -> list[Solution]:
-    """Pareto-optimal choices in (activation peak, extra seconds), fastest first.
+_Partial = tuple[int, int, float, tuple[int, ...]]  # (P_k, peak so far, seconds, mix per group)
 
-    Each step solves at a capacity one byte below the previous solution's peak: every Pareto point
-    (p, t) is reached, because the first capacity below the previous peak that is >= p has min time t.
+
+def _undominated(states: list[_Partial]) -> list[_Partial]:
+    """The states no other beats in kept, peak and seconds together (ties: the first in order).
+
+    In order of kept bytes, a state is dominated when an earlier one has peaked no higher and
+    taken no longer: the staircase of earlier (peak, seconds) pairs answers that by bisection.
     """
+    states.sort()
+    peaks: list[int] = []  # ascending
+    seconds: list[float] = []  # strictly descending, seconds[i] the least time among peaks <= peaks[i]
+    front: list[_Partial] = []
+    for state in states:
+        _, peak, time, _ = state
+        below = bisect.bisect_right(peaks, peak) - 1
+        if below >= 0 and seconds[below] <= time:
+            continue
+        front.append(state)
+        low = bisect.bisect_left(peaks, peak)
+        high = low
+        while high < len(peaks) and seconds[high] >= time:
+            high += 1
+        peaks[low:high], seconds[low:high] = [peak], [time]
+    return front
+
+
+def frontier(
+    segments: Sequence[Segment], *, max_points: int = 64, max_states: int = DEFAULT_MAX_STATES
+) -> list[Solution]:
+    """Pareto-optimal choices in (activation peak, extra seconds), fastest first: the fastest
+    ``max_points`` of them.
+
+    One pass over the groups with the (kept, peak, seconds) Pareto set (see the module
+    docstring). When that set outgrows ``max_states`` (long heterogeneous chains), the points are
+    found by solving at a capacity one byte below the previous point's peak instead: every Pareto
+    point (p, t) is reached, because the first capacity below the previous peak that is >= p has
+    min time t.
+    """
+    groups = _groups(segments)
+    states: list[_Partial] = [(0, 0, 0.0, ())]
+    for group in groups:
+        grown = [
+            (
+                kept + mix.kept_bytes,
+                max(peak, kept + mix.peak_bytes),
+                seconds + mix.extra_seconds,
+                (*choice, i),
+            )
+            for kept, peak, seconds, choice in states
+            for i, mix in enumerate(group.mixes)
+        ]
+        states = _undominated(grown)
+        if len(states) > max_states:
+            return _frontier_by_solving(segments, max_points=max_points)
+    states.sort(key=lambda state: (state[2], state[1], state[3]))
+    points: list[Solution] = []
+    for _, peak, _, choice in states:
+        if len(points) == max_points:
+            break
+        if not points or peak < points[-1].peak_bytes:
+            points.append(evaluate(segments, _expand(groups, choice)))
+    return points
+
+
+def _frontier_by_solving(segments: Sequence[Segment], *, max_points: int) -> list[Solution]:
     points: list[Solution] = []
     capacity: float = math.inf
     while len(points) < max_points:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..memory import format_bytes
+from .windows import describe_split
 
 # The functions take a plans.Plan; typed Any because plans.py imports this module (no circle).
 Plan = Any
@@ -95,8 +96,8 @@ def plan_text(plan: Plan) -> str:
     """``print(plan)``: the split, the budget and peak, the block table, the frontier, the notes."""
     sizes = plan.micro_batch_sizes
     split = f"{plan.micro_batch_size} x {plan.steps} steps"
-    if len(sizes) > 1 and sizes[-1] != sizes[0]:
-        split = f"{plan.micro_batch_size} x {plan.steps - 1} + {sizes[-1]} (steps={plan.steps})"
+    if len(set(sizes)) > 1:
+        split = f"{describe_split(sizes)} (steps={plan.steps})"
     ranks = f" x {plan.world_size} ranks" if plan.world_size > 1 else ""
     if plan.pipeline_stages > 1:
         ranks = f" x {plan.world_size} replica(s), each {plan.pipeline_stages} pipeline stages"
@@ -119,6 +120,7 @@ def plan_text(plan: Plan) -> str:
         f"{plan.samples_per_second:.1f} samples/s",
         *token_line,
         *pipeline_lines(plan),
+        *options_line(plan),
         "  peak = " + " + ".join(f"{name} {format_bytes(v)}" for name, v in plan.peak_parts if v),
         "",
         f"  {'block':<{BLOCK_COLUMN}} policy",
@@ -149,6 +151,14 @@ def pipeline_lines(plan: Plan) -> list[str]:
         seen = f", measured {format_bytes(measured[s])}" if measured else ""
         lines.append(f"    stage {s} from {starts[s]}: predicted peak {peak}{seen}")
     return lines
+
+
+def options_line(plan: Plan) -> list[str]:
+    """The memory-changing options the plan was made with (plan.apply holds to them), when any."""
+    made = [f"accumulate_dtype={plan.accumulate_dtype}"] if plan.accumulate_dtype else []
+    made += ["scaler (GradScaler)"] if plan.scaler else []
+    made += [f"max_grad_norm={plan.max_grad_norm:g}"] if plan.max_grad_norm is not None else []
+    return [f"  made with: {', '.join(made)}"] if made else []
 
 
 def report_lines(plan: Plan) -> list[str]:

@@ -31,18 +31,19 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import distributed
-from ..checkpointing.api import BlockSpec
+from ..checkpointing.api import POLICIES, BlockSpec
 from ..checkpointing.compiled import eager_workload
-from ..errors import InfeasibleBudgetError, MicrobatchError
+from ..errors import ConfigError, InfeasibleBudgetError, MicrobatchError
 from ..memory import format_bytes
+from ..memory.allocator import allocator_capacity
 from ..memory.device_specs import DeviceSpec
 from ..memory.oom import attempt
-from ..profile import Profile, ProgressFn, profile_workload
+from ..profile import NONE, Profile, ProgressFn, profile_workload
 from ..workload import Workload, load_workload
 from .choices import faster_without_margin, last_resort
 from .options import DEFAULT_MAX_PROFILE_SIZE, PlanOptions
@@ -70,7 +71,12 @@ logger = logging.getLogger(__name__)
 
 def _attempt(workload: Workload, candidate: Candidate, options: PlanOptions) -> TrialResult | None:
     """The trial's result; None when it ran out of memory (memory freed)."""
-    run = functools.partial(run_trial, accumulate_dtype=options.accumulate_dtype, scaler=options.scaler)
+    run = functools.partial(
+        run_trial,
+        accumulate_dtype=options.accumulate_dtype,
+        scaler=options.scaler,
+        max_grad_norm=options.max_grad_norm,
+    )
     return attempt(lambda: run(workload, candidate), workload.device)
 
 
@@ -84,6 +90,7 @@ def _extend_profile(
     policies: Sequence[str] | None,
     progress: ProgressFn | None,
     rules: SplitRules | None = None,
+    profiler: Callable[..., Profile] = profile_workload,
 ) -> Profile:
     """The profile again, up to the micro-batch the search chooses, when that is beyond the sizes measured.
 
@@ -104,7 +111,7 @@ def _extend_profile(
     )
     size = best.micro_batch_size  # sizes no smaller than the rules allow
     options = {"blocks": blocks, "policies": policies, "progress": progress}
-    return profile_with_rules(profile_workload, workload, rules, size, size, **options)
+    return profile_with_rules(profiler, workload, rules, size, size, **options)
 
 
 def plan(
@@ -191,7 +198,8 @@ def _prepare(request: PlanRequest) -> Setup:
     refuse_budget_below_weights(workload, budget_bytes - reserve.total_bytes, reserve, shards=shards)
     bytes_per_sample = check_make_batch(workload, per_rank_batch)
     model_budget_bytes = budget_bytes - reserve.total_bytes
-    profile = _profile(request, workload, rules, spec, per_rank_batch, model_budget_bytes)
+    with allocator_capacity(_allocator_share(options, spec, model_budget_bytes)):
+        profile = _profile(request, workload, rules, spec, per_rank_batch, model_budget_bytes)
     profile = with_wide_gradients(profile, workload.model, options.accumulate_dtype)
     profile, extras, gradient_sync = rank_profile(
         profile,
@@ -222,6 +230,21 @@ def _prepare(request: PlanRequest) -> Setup:
     )
 
 
+def _real_profiler(options: PlanOptions) -> Callable[..., Profile]:
+    """profile_workload with the step as the plan will run it (clipping: Accumulator's max_grad_norm)."""
+    return functools.partial(profile_workload, max_grad_norm=options.max_grad_norm)
+
+
+def _allocator_share(options: PlanOptions, spec: DeviceSpec | None, model_budget_bytes: int) -> int | None:
+    """What the caching allocator may reserve under the budget, for the profile's replays
+    (profile/reserved.py): the budget less what lies outside the allocator (the reserve, and a
+    simulated device's context allowance). None for a sharded plan: its runs hold the whole
+    model, not a rank's memory, so their replays are estimates (allocator.least_reserved)."""
+    if options.shard != "none" and options.world_size > 1:
+        return None
+    return model_budget_bytes - (spec.context_bytes if spec is not None else 0)
+
+
 def _profile(
     request: PlanRequest,
     workload: Workload,
@@ -234,10 +257,12 @@ def _profile(
     options = request.options
     profile = options.profile
     extend = profile is None and options.max_profile_micro_batch_size is None and spec is None
+    if profile is not None and options.policies is not None:
+        profile = only_policies(profile, options.policies)
     if profile is None:
         kinds = {"blocks": options.blocks, "policies": options.policies, "progress": options.progress}
         largest = options.max_profile_micro_batch_size or DEFAULT_MAX_PROFILE_SIZE
-        profile_fn = functools.partial(profile_for, spec=spec, real=profile_workload)
+        profile_fn = functools.partial(profile_for, spec=spec, real=_real_profiler(options))
         profile = profile_with_rules(profile_fn, workload, rules, per_rank_batch, largest, **kinds)
         logger.info(
             "planning %s: profiled %d blocks at micro-batch sizes %s in %.1f s",
@@ -256,8 +281,40 @@ def _profile(
             policies=options.policies,
             progress=options.progress,
             rules=rules,
+            profiler=_real_profiler(options),
         )
     return profile
+
+
+def only_policies(profile: Profile, policies: Sequence[str]) -> Profile:
+    """``profile`` with each block's costs cut to ``policies`` (and none, always measured).
+
+    A policy that is no checkpoint policy, or that no block of the profile measured, is refused by
+    name: the search cannot price what was not measured.
+    """
+    wanted = {NONE, *policies}
+    unknown = sorted(wanted - {NONE, *POLICIES})
+    if unknown:
+        raise ConfigError(
+            f"policies={list(policies)}: {', '.join(unknown)} are not checkpoint policies; choose from "
+            f"none, {', '.join(POLICIES)}"
+        )
+    blocks = profile.blocks
+    measured = {policy for segment in blocks for policy in segment.policies}
+    missing = sorted(wanted - measured) if blocks else []
+    if missing:
+        raise ConfigError(
+            f"policies={list(policies)}: the profile did not measure {', '.join(missing)} (it measured "
+            f"{', '.join(sorted(measured))}); profile with them (profile_workload(..., policies=...)) or "
+            "leave them out"
+        )
+    segments = tuple(
+        dataclasses.replace(segment, costs={p: c for p, c in segment.costs.items() if p in wanted})
+        if segment.is_block
+        else segment
+        for segment in profile.segments
+    )
+    return dataclasses.replace(profile, segments=segments)
 
 
 @dataclass
@@ -281,7 +338,8 @@ def _search_and_prove(setup: Setup, request: PlanRequest) -> tuple[Candidate, Se
     if request.options.trial and setup.spec is None and sharded:
         setup.notes.append(
             f"shard={request.options.shard!r} over {request.options.world_size} ranks: no trial in this one "
-            "process (each rank's memory is predicted); prove it on the ranks with mb.prove"
+            "process (each rank's memory is predicted); prove it on every rank under torchrun with "
+            "microbatch.planner.prove(plan, workload)"
         )
     trials = _Trials()
     margin_free_pending = trial

@@ -19,6 +19,7 @@ from ..profile.runs import train_window
 from ..profile.stash import optimizer_instance
 from ..trees.batches import move_batch
 from ..workload import Workload
+from .applying import inner_model
 from .search import Candidate
 
 
@@ -37,9 +38,13 @@ def run_trial(
     *,
     accumulate_dtype: torch.dtype | None = None,
     scaler: bool = False,
+    max_grad_norm: float | None = None,
+    sync_every_micro_batch: bool = False,
 ) -> TrialResult:
     """One optimizer step of ``candidate`` on the workload's model, under MemoryTracker, with the
-    Accumulator options the plan is made for (``accumulate_dtype``, a GradScaler when ``scaler``).
+    Accumulator options the plan is made for (``accumulate_dtype``, a GradScaler when ``scaler``,
+    ``max_grad_norm``; FSDP2's sync every micro-batch). ``workload.model`` may be a DDP / FSDP2 /
+    compiled wrapper, as for ``plan.apply``: the blocks are checkpointed in the module inside it.
 
     May raise an out-of-memory error; the model is restored either way.
     """
@@ -51,7 +56,8 @@ def run_trial(
         optimizer = workload.make_optimizer()
         _create_optimizer_state(model, optimizer)
         policies = dict(candidate.block_policies)
-        handle = checkpoint(model, policy=policies) if any(p != NONE for p in policies.values()) else None
+        recomputes = any(p != NONE for p in policies.values())
+        handle = checkpoint(inner_model(model), policy=policies) if recomputes else None
         try:
             batches = [workload.make_batch(size) for size in trial_sizes(candidate.micro_batch_sizes)]
 
@@ -62,7 +68,13 @@ def run_trial(
 
             grad_scaler = torch.amp.GradScaler(device.type) if scaler else None
             accumulator = Accumulator(
-                model, optimizer, steps=len(batches), accumulate_dtype=accumulate_dtype, scaler=grad_scaler
+                model,
+                optimizer,
+                steps=len(batches),
+                accumulate_dtype=accumulate_dtype,
+                scaler=grad_scaler,
+                max_grad_norm=max_grad_norm,
+                sync_every_micro_batch=sync_every_micro_batch,
             )
             accumulator._warned_batchnorm = True  # the trial's cut window; the plan's note covers BatchNorm
             with MemoryTracker(device, model=model, optimizer=optimizer) as tracker:

@@ -61,6 +61,7 @@ def profile_workload(
     warmup: int = 0,
     progress: ProgressFn | None = None,
     clock: str = WALL,
+    max_grad_norm: float | None = None,
 ) -> Profile:
     """Measure ``workload`` for the planner (see the package docstring).
 
@@ -70,8 +71,8 @@ def profile_workload(
     (policy, size) once each, in turn, so that a slow moment of a shared machine hits every policy
     alike. Sizes that run out of memory are dropped. The batches come from the workload's
     make_batch; the model is left as it was. ``clock``: "wall" or "cpu", what the times are read
-    from (clocks.py; "cpu" on a shared CPU machine with one torch thread).
-    """
+    from (clocks.py; "cpu" on a shared CPU machine with one torch thread). The step clips to
+    ``max_grad_norm`` as the plan's Accumulator will."""
     began = time.perf_counter()
     model, device = workload.model, workload.device
     read_clock = clock_for(clock, device)
@@ -79,10 +80,11 @@ def profile_workload(
     found, chosen, notes = _blocks_and_policies(model, blocks, policies, device)
     with preserved_state(model, optimizer=stash.optimizer_instance(workload)):
         model.train()
-        for parameter in model.parameters():
-            parameter.grad = None
+        model.zero_grad(set_to_none=True)
         optimizer = workload.make_optimizer()
-        step = measure_step(workload, optimizer, sizes[0], device, clock=read_clock)
+        step = measure_step(
+            workload, optimizer, sizes[0], device, clock=read_clock, max_grad_norm=max_grad_norm
+        )
         if step is None:
             raise _no_room_for_one_step(workload, device, sizes[0])
         session = _Session(workload, found, optimizer, chosen, sizes, progress)
@@ -93,22 +95,32 @@ def profile_workload(
         session.measure_time(warmup=warmup, repeats=repeats)
     if progress is not None:
         progress("done", session.total_runs, session.total_runs)
+    measured = _measurements(session, step, type(optimizer).__name__, gradient_bytes_by_segment(model, found))
+    return assemble(
+        workload, device, measured, notes=session.notes, seconds=time.perf_counter() - began, clock=clock
+    )
+
+
+def _measurements(
+    session: _Session,
+    step: tuple[dict[str, int], int, float],
+    optimizer_name: str,
+    gradient_bytes: dict[str, int],
+) -> Measurements:
+    """What profile_workload measured, for assemble: the session's runs and the optimizer step's."""
     static, step_peak_bytes, step_seconds = step
-    measured = Measurements(
+    return Measurements(
         sizes=session.sizes,
         policies=session.policies,
         memory_runs=session.memory_runs,
         first_runs=session.first_runs,
         timed_runs=session.timed_runs,
         static=static,
-        optimizer_name=type(optimizer).__name__,
+        optimizer_name=optimizer_name,
         step_peak_bytes=step_peak_bytes,
         step_seconds=step_seconds,
-        gradient_bytes=gradient_bytes_by_segment(model, found),
+        gradient_bytes=gradient_bytes,
         failed={policy: frozenset(names) for policy, names in session.failed.items()},
-    )
-    return assemble(
-        workload, device, measured, notes=session.notes, seconds=time.perf_counter() - began, clock=clock
     )
 
 

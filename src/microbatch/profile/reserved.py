@@ -4,11 +4,17 @@ On CUDA (a real device, or a CUDA target simulated under fake tensors) a budget 
 allocator's peak reserved bytes, not the peak of the live tensors MemoryTracker counts. One code
 path turns the one into the other: every tracked run records its allocation sequence
 (``MemoryTracker(record_allocations=True)``: the model's and the optimizer's storages first, then
-each storage made and freed in order), and ``microbatch.memory.allocator.least_reserved`` serves it as
-the caching allocator would, from an empty cache, on the smallest device it runs on without an
-OOM (the allocator gives its cached free segments back before it fails): that reserved peak R is
-what the budget must hold for the run. The tracker gives the same run's peak live bytes A (each
-storage rounded to 512 B, as ``memory_allocated`` counts). The profile carries
+each storage made and freed in order), and ``microbatch.memory.allocator.reserved_at`` serves it as
+the caching allocator would, from an empty cache, at the capacity the planner sets around its
+profiling (``allocator_capacity``: the budget's share of the allocator; the allocator gives its
+cached free segments back only when a new one does not fit there): that reserved peak R is what
+the budget must hold for the run. Without a capacity (a profile made outside plan(): a simulated
+architecture's two-layer copy; a sharded plan, whose runs are of the whole model) the run is not
+the plan's memory and has no capacity of its own: R is then ``least_reserved``'s estimate, the
+device taken as tight (fitting is not monotone in the capacity, so it is an estimate, not a bound;
+the unlimited replay, a bound, overstates these runs by far: 3.0 GiB against 219 MiB for
+llama-3.1-8b's two-layer run at micro-batch 2, seq 4096). The tracker gives the same run's peak
+live bytes A (each storage rounded to 512 B, as ``memory_allocated`` counts). The profile carries
 
     overhead(b) = max over the profiled runs at b (every policy, first call and steady state) of R - A
 
@@ -26,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from ..memory import MemoryTracker, format_bytes
-from ..memory.allocator import expandable_segments_enabled, least_reserved
+from ..memory.allocator import current_capacity, expandable_segments_enabled, least_reserved, reserved_at
 from .costs import Fit
 from .timeline import Run
 
@@ -47,8 +53,11 @@ def reserved_peak_bytes(tracker: MemoryTracker) -> int | None:
     """Peak reserved bytes of the allocations ``tracker`` recorded; None when it recorded none."""
     if tracker.allocation_events is None:
         return None
-    peaks = least_reserved(tracker.allocation_events, expandable_segments=expandable_segments_enabled())
-    return peaks.peak_reserved_bytes
+    events, expandable = tracker.allocation_events, expandable_segments_enabled()
+    capacity = current_capacity()
+    if capacity is None:
+        return least_reserved(events, expandable_segments=expandable).peak_reserved_bytes
+    return reserved_at(events, capacity_bytes=capacity, expandable_segments=expandable).peak_reserved_bytes
 
 
 def with_reserved_peak(run: Run, tracker: MemoryTracker | None) -> Run:

@@ -132,6 +132,7 @@ def measure_step(
     device: torch.device,
     *,
     clock: Callable[[], float] = time.perf_counter,
+    max_grad_norm: float | None = None,
 ) -> tuple[dict[str, int], int, float] | None:
     """Static bytes by category, the step's transient bytes and its seconds: Accumulator.step().
 
@@ -140,7 +141,7 @@ def measure_step(
     that follow. None when the first training step runs out of memory.
     """
     model = workload.model
-    accumulator = Accumulator(model, optimizer, steps=1)
+    accumulator = Accumulator(model, optimizer, steps=1, max_grad_norm=max_grad_norm)  # clipped as the plan's
 
     def first_steps() -> bool:
         _one_window(workload, accumulator, size, device)

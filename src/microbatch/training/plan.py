@@ -112,7 +112,10 @@ def loaded_plan(config: TrainConfig, workload: Workload, path: str) -> Plan:
             f"is batch {config.batch} on {world}; pass --batch {loaded.batch_size}, or make a new plan"
         )
     loaded.check_model(workload.model, device=workload.device)
-    return prove(loaded, workload) if config.trial else loaded
+    if not config.trial:
+        return loaded
+    with distributed.single_process():  # rank 0 alone proves its own unwrapped model, as it plans
+        return prove(loaded, workload)
 
 
 def planned(
@@ -139,6 +142,7 @@ def planned(
             trial=config.trial,
             progress=progress,
             scaler=config.precision == "fp16",
+            max_grad_norm=config.max_grad_norm,
         )
     except InfeasibleBudgetError as error:
         raise InfeasibleBudgetError(
