@@ -138,7 +138,7 @@ def test_the_stage_solver_is_the_brute_force_optimum() -> None:
 
 @pytest.fixture(scope="module")
 def one_process_plan() -> mb.Plan:
-    return mb.plan(gpt_workload(), batch=12, memory="64MiB", pipeline=2)
+    return mb.plan(gpt_workload(), batch=12, memory="64MiB", pipeline=2, max_grad_norm=1.0)
 
 
 def test_a_pipeline_plan_in_one_process_is_predicted_and_says_so(one_process_plan: mb.Plan) -> None:
@@ -150,6 +150,7 @@ def test_a_pipeline_plan_in_one_process_is_predicted_and_says_so(one_process_pla
     assert plan.bubble_fraction == pytest.approx(1 / (plan.pipeline_micro_batches + 1))
     assert any("no trial" in note for note in plan.notes)
     assert any("without a pipeline" in note for note in plan.notes)
+    assert plan.max_grad_norm == 1.0  # Pipeline.backward clips; the plan says so
     assert mb.Plan.from_dict(json.loads(plan.to_json())) == plan
     text = str(plan)
     assert "pipeline: 2 stages" in text and "stage 1 from" in text
@@ -176,6 +177,9 @@ def test_pipeline_options_are_checked() -> None:
         PlanOptions(pipeline=2, world_size=3)
     with pytest.raises(ConfigError, match="simulated only"):
         mb.plan(gpt_workload(), batch=8, memory="64MiB", pipeline=2, world_size=4, shard="fsdp")
+    for option in ({"accumulate_dtype": torch.float32}, {"scaler": True}):
+        with pytest.raises(ConfigError, match=f"{next(iter(option))} with pipeline=2"):
+            mb.plan(gpt_workload(), batch=8, memory="64MiB", pipeline=2, trial=False, **option)
 
 
 def test_simulated_dp_by_pp_by_fsdp_plan_has_stage_peaks_and_the_comparison(

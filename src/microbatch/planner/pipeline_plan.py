@@ -33,7 +33,7 @@ from ..profile import Profile, profile_workload
 from ..profile.simulate import fake_batch, simulation
 from ..trees.batches import tensor_bytes
 from ..workload import Workload, load_workload
-from .options import DEFAULT_MAX_PROFILE_SIZE
+from .options import DEFAULT_MAX_PROFILE_SIZE, PlanOptions
 from .outcome import PlanRequest
 from .pipeline_search import PipelineCandidate, PipelineContext, PipelineSearch, search_pipeline
 from .plans import FrontierPoint, Plan
@@ -87,6 +87,7 @@ def prepare(
             "gradients over its replicas itself and refuses an FSDP2-wrapped stage; plan for a device "
             "preset (device='h100-80gb') to predict DP x PP x FSDP, or use shard='none' here"
         )
+    _refuse_window_options(options)
     budget_bytes = target_budget(request.memory, spec, workload)
     reserve = outside_the_model(workload, budget_bytes, memory=request.memory, world_size=1)
     bytes_per_sample = check_make_batch(workload, per_replica_batch)
@@ -122,6 +123,25 @@ def prepare(
     return PipelineSetup(
         workload, profile, spec, reserve, budget_bytes, per_replica_batch, bytes_per_sample, context, notes
     )
+
+
+def _refuse_window_options(options: PlanOptions) -> None:
+    """The Pipeline runs its own window (no Accumulator): options it would not honour are refused."""
+    given = [
+        name
+        for name, value in (
+            ("accumulate_dtype", options.accumulate_dtype),
+            ("scaler", options.scaler),
+            ("gradient_sync", options.gradient_sync),
+        )
+        if value
+    ]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)} with pipeline={options.pipeline}: the Pipeline sums its stages' gradients "
+            "in the parameters' dtype with no GradScaler and no FSDP sync choice; leave them out, or plan "
+            "without pipeline="
+        )
 
 
 def output_bytes_per_sample(workload: Workload, spec: DeviceSpec | None) -> int:
@@ -218,6 +238,7 @@ def plan_of(
         stage_starts=tuple(names[cut] for cut in chosen.cuts),
         stage_peak_bytes=tuple(peak + reserve for peak in chosen.stage_peaks),
         bubble_fraction=chosen.bubble_fraction,
+        max_grad_norm=request.options.max_grad_norm,  # Pipeline.backward clips on the global norm
     )
 
 

@@ -87,6 +87,7 @@ def _planned(config: Any, workload: Workload, device: torch.device, progress: An
         policies=policies,
         trial=config.trial,
         progress=progress,
+        max_grad_norm=config.max_grad_norm,
     )
     measured = made.measured_stage_peak_bytes
     return dataclasses.replace(
