@@ -201,7 +201,8 @@ def plan_of(
 ) -> Plan:
     """The Plan of the search's choice (no trial yet), with the comparison without a pipeline."""
     chosen = result.best
-    assert chosen is not None  # search() raised otherwise
+    if chosen is None:  # search() raises when nothing fits: reaching here is a bug of ours
+        raise RuntimeError("internal error: the pipeline search returned no plan and raised nothing")
     reserve = setup.reserve.total_bytes
     names = [segment.name for segment in setup.profile.blocks]
     worst = max(range(len(chosen.stage_peaks)), key=lambda s: chosen.stage_peaks[s])

@@ -218,5 +218,6 @@ def mixes(costs: Sequence[tuple[int, int, float]], count: int, drift_bytes: int)
             level += copies * step
             kept += copies * option_kept
             seconds += copies * option_seconds
-        assert peak is not None  # count >= 1: some option has copies
+        if peak is None:  # count >= 1, so some option has copies: reaching here is a bug of ours
+            raise RuntimeError(f"internal error: a run of {count} blocks priced with no copies")
         yield Mix(kept_bytes=kept, peak_bytes=peak, extra_seconds=seconds, counts=counts)
