@@ -118,6 +118,12 @@ def peak(model: nn.Module, step: Callable[[], None]) -> dict[str, int]:
 
 def timed(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
     """Median seconds per step of each form, run alternately (order rotating) so load hits all alike."""
+    return {name: statistics.median(values) for name, values in timed_rounds(steps, rounds).items()}
+
+
+def timed_rounds(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each form in each round: every round runs every form once, the order rotating by one
+    form a round (round r starts with form r mod n), after one warm-up step of each."""
     seconds: dict[str, list[float]] = {name: [] for name in steps}
     names = list(steps)
     for name in names:
@@ -127,7 +133,7 @@ def timed(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]
             start = time.perf_counter()
             steps[name]()
             seconds[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in seconds.items()}
+    return seconds
 
 
 def one_batch_size(sizes: dict[str, int], batch_size: int, micro: int, rounds: int) -> list[dict[str, Any]]:

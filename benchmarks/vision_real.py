@@ -45,6 +45,7 @@ from torch.nn import functional as F
 import microbatch as mb
 import results
 from microbatch.checkpointing.auto_blocks import describe_blocks
+from microbatch.errors import InfeasibleBudgetError
 from microbatch.memory import format_bytes
 from microbatch.planner.search import Model
 from microbatch.profile import NONE, profile_workload
@@ -229,14 +230,18 @@ def plans_and_speed(work: mb.Workload, *, rounds: int) -> dict[str, Any]:
     options = {"batch": BATCH, "memory": budget, "profile": profile, "min_micro_batch_size": 2}
     # no checkpointing: micro-batches of 2, the largest the budget admits by its construction (not
     # mb.plan(policies=["none"], profile=...): with a profile given, plan ignores policies)
-    plans = {"plan": mb.plan(work, **options)}
     blocks = [segment.name for segment in profile.blocks]
-    planned = {block: policy for block, policy in plans["plan"].block_policies if policy != NONE}
     configurations = {
         "none": (_sizes(2), {}),
         "everything": (_everything(model, blocks, budget), dict.fromkeys(blocks, "full")),
-        "plan": (plans["plan"].micro_batch_sizes, planned),
     }
+    try:
+        chosen: mb.Plan | None = mb.plan(work, **options)
+    except InfeasibleBudgetError as error:  # reported in the table as it is, the other rows still run
+        chosen, plan_error = None, str(error)
+    if chosen is not None:
+        planned = {block: policy for block, policy in chosen.block_policies if policy != NONE}
+        configurations["plan"] = (chosen.micro_batch_sizes, planned)
     runners = {label: Runner(work, sizes, policies) for label, (sizes, policies) in configurations.items()}
     peaks = {label: runner.peak_bytes() for label, runner in runners.items()}
     seconds: dict[str, list[float]] = {label: [] for label in runners}
@@ -255,13 +260,24 @@ def plans_and_speed(work: mb.Workload, *, rounds: int) -> dict[str, Any]:
             "measured_peak_bytes": peaks[label],
             "seconds_per_step": min(seconds[label]),
         }
-    rows["plan"]["planned_seconds"] = plans["plan"].predicted_seconds_per_step
+    if chosen is None:
+        return {
+            "budget_bytes": budget,
+            "no_checkpoint_predicted": {str(k): v for k, v in predicted.items()},
+            "profile_seconds": profiled,
+            "rows": rows,
+            "plan_error": plan_error,
+            "plan_notes": [],
+            "plan_handle": None,
+            "plan_model": None,
+        }
+    rows["plan"]["planned_seconds"] = chosen.predicted_seconds_per_step
     return {
         "budget_bytes": budget,
         "no_checkpoint_predicted": {str(k): v for k, v in predicted.items()},
         "profile_seconds": profiled,
         "rows": rows,
-        "plan_notes": [n for n in plans["plan"].notes if "raised" in n],
+        "plan_notes": [n for n in chosen.notes if "raised" in n],
         "plan_handle": runners["plan"].handle,
         "plan_model": runners["plan"].model,
     }
@@ -290,6 +306,7 @@ def run(args: argparse.Namespace, done: Callable[[dict[str, Any]], None]) -> dic
     report: dict[str, Any] = {"image": args.image, "batch": BATCH, "rounds": args.rounds, "models": {}}
     report["environment"] = results.environment()
     report["versions"] = {"torch": torch.__version__, "torchvision": torchvision.__version__}
+    report["load"] = {"start": _load()}  # the 1-minute load average, then after each model
     for name in args.models:
         began = time.perf_counter()
         work = make_workload(name, args.image)
@@ -301,15 +318,32 @@ def run(args: argparse.Namespace, done: Callable[[dict[str, Any]], None]) -> dic
         speed = plans_and_speed(work, rounds=args.rounds)
         handle, plan_model = speed.pop("plan_handle"), speed.pop("plan_model")
         entry.update(speed)
-        if name in args.compile:
+        if name in args.compile and plan_model is not None:
             entry["compile"] = compile_check(work, plan_model)
         if handle is not None:
             handle.remove()
         entry["seconds"] = time.perf_counter() - began
         print(f"{name}: {entry['rows']} ({entry['seconds']:.0f} s)", file=sys.stderr)
         report["models"][name] = entry
+        report["load"][name] = _load()
         done(report)
     return report
+
+
+def _load() -> float:
+    """The 1-minute load average (Linux); NaN where /proc/loadavg is not there."""
+    try:
+        with open("/proc/loadavg") as file:
+            return float(file.read().split()[0])
+    except OSError:
+        return float("nan")
+
+
+def _load_line(report: dict[str, Any]) -> str:
+    loads = report.get("load", {})
+    after = ", ".join(f"{name} {value:.1f}" for name, value in loads.items() if name != "start")
+    start = loads.get("start", float("nan"))
+    return f"Load average (1 min) at the start {start:.1f}; after each model: {after}."
 
 
 def _row(name: str, entry: dict[str, Any]) -> list[Any]:
@@ -318,11 +352,21 @@ def _row(name: str, entry: dict[str, Any]) -> list[Any]:
     def config(label: str) -> str:
         row = rows[label]
         peak = format_bytes(row["measured_peak_bytes"])
-        return f"{row['micro_batch_size']} x {row['steps']}, {peak}, {row['seconds_per_step']:.2f} s"
+        over = " (over the budget)" if row["measured_peak_bytes"] > entry["budget_bytes"] else ""
+        return f"{row['micro_batch_size']} x {row['steps']}, {peak}{over}, {row['seconds_per_step']:.2f} s"
 
+    compiled = entry.get("compile")
+    if "plan" not in rows:  # mb.plan raised InfeasibleBudgetError at this budget
+        error = entry.get("plan_error", "")
+        return [
+            name, entry["auto_blocks"],
+            f"{max(grads['full'], grads['selective']):.0e} / "
+            f"{max(grads['full buffers'], grads['selective buffers']):.0e}",
+            f"{grads['groupnorm accumulated']:.0e}", format_bytes(entry["budget_bytes"]), config("none"),
+            config("everything"), f"InfeasibleBudgetError: {error[:160]}...", "-", "not run",
+        ]  # fmt: skip
     plan = rows["plan"]
     what = ", ".join(plan["policies"]) or "nothing"
-    compiled = entry.get("compile")
     return [
         name,
         entry["auto_blocks"],
@@ -368,7 +412,7 @@ def section(report: dict[str, Any]) -> str:
             "",
             results.environment_line(report["environment"])
             + "; the machine was shared with other jobs while this ran (several helpers' tests and "
-            "benchmarks), so times are noisy; ratios come from one run.",
+            "benchmarks), so times are noisy; ratios come from one run. " + _load_line(report),
             "",
             f"Reproduce: `{report['command']}`",
         ]
@@ -392,11 +436,17 @@ CAVEATS = " ".join(
         "(vit_b_16 at 32 px: 5 tokens) does not bind the budget, and the planner may run the whole",
         "batch without checkpointing; the speedups against 'every block full' below 1x are the",
         "planner's choices measured as they are (its prediction from a one-round profile on a",
-        "shared machine). compile: seconds of the first compiled micro-batch and the gradient's",
-        "relative error against eager, float32; only for the models listed in --compile.",
+        "shared machine). A measured peak above the budget is marked; a plan cell that names",
+        "InfeasibleBudgetError is mb.plan refusing at this budget (its trial measured more than",
+        "predicted and the correction left no plan), reported as it is. compile: seconds of the",
+        "first compiled micro-batch and the gradient's relative error against eager, float32; only",
+        "for the models listed in --compile.",
     ]
 )
-DEFAULT_MODELS = "resnet50,convnext_tiny,efficientnet_b0,vit_b_16,swin_t,deeplabv3_mobilenet_v3_large"
+DEFAULT_MODELS = (
+    "resnet50,convnext_tiny,efficientnet_b0,vit_b_16,swin_t,deeplabv3_mobilenet_v3_large,deeplabv3_resnet50"
+)
+DEFAULT_COMPILE = "efficientnet_b0,resnet50,vit_b_16"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -405,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image", type=int, default=32, help="image side in pixels (default 32)")
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds (default 2)")
     parser.add_argument("--grad-image", type=int, default=16, help="image side of the float64 checks")
-    parser.add_argument("--compile", default="resnet50,efficientnet_b0", help="models to torch.compile")
+    parser.add_argument("--compile", default=DEFAULT_COMPILE, help=f"models to compile ({DEFAULT_COMPILE})")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--quick", action="store_true", help="resnet50 and efficientnet_b0, one round")
     results.add_output_arguments(parser)
@@ -419,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     args.models = [m for m in args.models.split(",") if m]
     args.compile = [m for m in args.compile.split(",") if m]
     rest = [arg for arg in (sys.argv[1:] if argv is None else list(argv)) if arg != "--json"]
-    command = " ".join(["/work/venv-vision/bin/python", "benchmarks/vision_real.py", *rest])
+    command = " ".join([sys.executable, "benchmarks/vision_real.py", *rest])
 
     def done(report: dict[str, Any]) -> None:
         report["command"] = command

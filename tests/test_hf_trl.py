@@ -3,9 +3,11 @@
 One optimizer step of a tiny float64 Llama (from a config; a word-level tokenizer built in memory,
 nothing downloaded) at 4 x 4 on pre-tokenized variable-length sequences, compared with the
 full-batch gradient: the same trainer at 16 x 1 (one micro-batch of the window's 16 rows), from the
-same initial weights. The reference runs through the trainer because SFTTrainer's loss is its own
-fused LM head (trl.kernels.ChunkedLogProbFunction), whose gradient is 0.25 % away from the model's
-plain float64 loss on every parameter (measured; a matter for TRL, not for the weighting).
+same initial weights. The trainers run with bf16=False: SFTConfig and DPOConfig default to bf16,
+under which TRL's fused LM head (trl.kernels.ChunkedLogProbFunction) computes in bfloat16, 0.2 %
+away from the model's plain float64 loss on every parameter (measured; without bf16 the head is
+1.4e-7 away, its float32 statistics). Independent float64 references for assistant-only loss and
+DPO: test_hf_trl_chat.py and test_hf_dpo_reference.py.
 Tolerance rtol 1e-6, atol 1e-8, measured 1e-9-ish: the errors this guards against (each micro-batch
 weighted equally instead of each token) are percents.
 """
@@ -88,7 +90,7 @@ def _sft(
         output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=micro,
         gradient_accumulation_steps=steps, learning_rate=1e-3, max_grad_norm=0.0, report_to=[],
         save_strategy="no", use_cpu=True, dataloader_num_workers=0, train_sampling_strategy="sequential",
-        logging_steps=1, **config,
+        logging_steps=1, bf16=False, **config,
     )  # fmt: skip
     dataset = datasets.Dataset.from_dict(rows)
     return trl.SFTTrainer(model=_model(), args=args, train_dataset=dataset, processing_class=_tokenizer())
@@ -156,7 +158,7 @@ def _dpo(tmp_path: Any, *, micro: int, steps: int, loss_type: str = "sigmoid") -
         output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=micro,
         gradient_accumulation_steps=steps, learning_rate=1e-3, max_grad_norm=0.0, report_to=[],
         save_strategy="no", use_cpu=True, dataloader_num_workers=0, train_sampling_strategy="sequential",
-        loss_type=[loss_type], beta=0.5,
+        loss_type=[loss_type], beta=0.5, bf16=False,
     )  # fmt: skip
     dataset = datasets.Dataset.from_dict(_preference_rows(24))
     # An explicit reference model: a fresh build of the same initial weights, as TRL would load it.

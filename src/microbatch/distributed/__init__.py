@@ -14,7 +14,7 @@ point of the loop, or it would hang.
 
 from __future__ import annotations
 
-from .collectives import all_reduce_max_, all_reduce_values, destroy
+from .collectives import all_reduce_max_, all_reduce_values, decided_on_rank_zero, destroy
 from .pipeline import Pipeline, PipelineStats
 from .process import (
     RankZeroFilter,
@@ -41,6 +41,7 @@ __all__ = [
     "all_reduce_values",
     "data_parallel_kind",
     "ddp_sync",
+    "decided_on_rank_zero",
     "destroy",
     "fsdp_sync",
     "init_from_env",

@@ -6,17 +6,20 @@ Every collective here runs on every rank at the same point of the loop, or it wo
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from .process import is_initialized, world_size
+from ..errors import ConfigError
+from .process import is_initialized, rank, world_size
 
 logger = logging.getLogger(__name__)
 
 ParallelKind = Literal["ddp", "fsdp"]
+
+_T = TypeVar("_T")
 
 
 # ---------------------------------------------------------------------- small collectives
@@ -62,6 +65,32 @@ def all_reduce_max_(tensor: torch.Tensor) -> torch.Tensor:
     if is_initialized() and world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor
+
+
+def decided_on_rank_zero(decide: Callable[[], _T], *, what: str) -> _T:
+    """``decide()`` on rank 0 alone, its result (or its error) on every rank (plain ``decide()`` alone).
+
+    For choices every rank must share that a rank could make differently on its own (a plan chosen
+    from timings). The others wait in the broadcast; an error on rank 0 reaches them as a ConfigError
+    naming ``what``, so no rank waits forever. The result travels pickled, on the control group.
+    """
+    if not is_initialized() or world_size() == 1:
+        return decide()
+    payload: list[Any] = [None]
+    error: BaseException | None = None
+    if rank() == 0:
+        try:
+            payload[0] = ("result", decide())
+        except Exception as raised:  # every rank must hear of it, or the others wait forever
+            error, payload[0] = raised, ("error", f"{type(raised).__name__}: {raised}")
+    dist.broadcast_object_list(payload, src=0, group=_control_group())
+    if error is not None:
+        raise error
+    kind, value = payload[0]
+    if kind == "error":
+        raise ConfigError(f"rank 0 stopped {what}: {value}")
+    result: _T = value
+    return result
 
 
 def destroy() -> None:

@@ -9,7 +9,8 @@ for models that take ``num_items_in_batch``; what it lacks is the choice. ``fit_
    ranks == batch exactly (or the nearest batch that splits evenly, with a warning naming it);
 3. apply it: microbatch's per-block checkpointing on the model (the Trainer's own gradient
    checkpointing off, so no block is recomputed twice; the cache off, as in any checkpointed
-   training), ``per_device_train_batch_size`` = micro-batch, ``gradient_accumulation_steps`` = steps;
+   training), ``per_device_train_batch_size`` = micro-batch, ``gradient_accumulation_steps`` = steps
+   (under torch.distributed rank 0 plans and every rank applies its plan);
 4. take charge of the loss's weighting (``weighting.exact_loss_weighting``), so the window's gradient
    is the full batch's whatever the model's forward accepts. Every refusal comes before step 3.
 
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import distributed
 from ..errors import ConfigError
 from ..memory import format_bytes, parse_bytes
 from ..planner import Plan, plan
@@ -160,14 +162,21 @@ def fit_trainer(
     # are live beyond what the planner's trial holds.
     window_inputs_bytes = tensor_bytes(workload.make_batch(1)) * (batch // world_size)
     reserve_bytes = window_inputs_bytes + math.ceil(TRAINER_ALLOWANCE * budget_bytes)
-    result = plan(
-        workload,
-        batch=batch,
-        memory=budget_bytes - reserve_bytes,
-        world_size=world_size,
-        even=True,
-        **plan_options,
-    )
+
+    def decide() -> Plan:
+        with distributed.single_process():  # this rank's model alone; the others wait for the plan
+            return plan(
+                workload,
+                batch=batch,
+                memory=budget_bytes - reserve_bytes,
+                world_size=world_size,
+                even=True,
+                **plan_options,
+            )
+
+    # Under torchrun each rank would choose from its own timings, and two plans deadlock DDP: rank 0
+    # plans, every rank applies its plan.
+    result = distributed.decided_on_rank_zero(decide, what="planning for the Trainer")
     note = (
         f"planned within {format_bytes(budget_bytes - reserve_bytes)}: the Trainer holds a window's inputs "
         f"at once ({format_bytes(window_inputs_bytes)}) and keeps its own bookkeeping "
