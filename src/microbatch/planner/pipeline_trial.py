@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,14 +31,12 @@ from torch import nn
 
 from .. import distributed
 from ..distributed.link import LinkTimes, measure_link
-from ..errors import ConfigError, InfeasibleBudgetError, WorkloadError
+from ..errors import InfeasibleBudgetError, WorkloadError
 from ..memory import MemoryTracker, format_bytes
 from ..workload import Workload, load_workload
 from . import pipeline_plan
 from .outcome import PlanRequest
 from .plans import Plan
-
-_T = TypeVar("_T")
 
 
 def plan_pipeline(request: PlanRequest, compare: pipeline_plan.Compare | None) -> Plan:
@@ -50,7 +48,9 @@ def plan_pipeline(request: PlanRequest, compare: pipeline_plan.Compare | None) -
     link = measure_link(_workload(request).device) if on_ranks and world > 1 else None
     for trial in range(1, request.options.max_trials + 1):
         decide = functools.partial(_predicted, request, corrections, began, compare, link)
-        plan = _decided_on_rank_zero(decide, on_ranks)
+        plan = (
+            distributed.decided_on_rank_zero(decide, what="planning the pipeline") if on_ranks else decide()
+        )
         if plan.simulated or not request.options.trial or not on_ranks:
             if request.options.trial and not plan.simulated:
                 plan = _noted(plan, "no trial: this process is not one of the pipeline's ranks")
@@ -95,27 +95,6 @@ def _noted(plan: Plan, note: str) -> Plan:
 
 def _workload(request: PlanRequest) -> Workload:
     return load_workload(request.workload) if isinstance(request.workload, str) else request.workload
-
-
-def _decided_on_rank_zero(decide: Callable[[], _T], on_ranks: bool) -> _T:
-    """``decide()`` on rank 0, its result (or its error) on every rank."""
-    if not on_ranks or distributed.world_size() == 1:
-        return decide()
-    payload: list[Any] = [None]
-    error: BaseException | None = None
-    if distributed.rank() == 0:
-        try:
-            payload[0] = ("result", decide())
-        except Exception as raised:  # every rank must hear of it, or the others wait forever
-            error, payload[0] = raised, ("error", f"{type(raised).__name__}: {raised}")
-    dist.broadcast_object_list(payload, src=0)
-    if error is not None:
-        raise error
-    kind, value = payload[0]
-    if kind == "error":
-        raise ConfigError(f"rank 0 stopped planning the pipeline: {value}")
-    result: _T = value
-    return result
 
 
 # ---------------------------------------------------------------------- the trial window
