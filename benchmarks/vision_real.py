@@ -3,10 +3,10 @@
 Not run by CI: needs torchvision, which does not install beside the project's torch 2.13 pin. Run it
 in its own venv (both wheels lie on this machine's disk):
 
-    python -m venv /work/venv-vision
-    /work/venv-vision/bin/pip install torch==2.14.1 torchvision==0.29.1 timm numpy matplotlib
-    /work/venv-vision/bin/pip install --no-deps -e .
-    /work/venv-vision/bin/python benchmarks/vision_real.py [--quick] [--models resnet50,...] [--json]
+    python -m venv /work/venv-tv
+    /work/venv-tv/bin/pip install torch==2.14.1 torchvision==0.29.1 timm numpy matplotlib
+    /work/venv-tv/bin/pip install --no-deps -e .
+    /work/venv-tv/bin/python benchmarks/vision_real.py [--quick] [--models resnet50,...] [--json]
 
 Per model, built with weights=None and random images (nothing downloaded):
 
@@ -418,7 +418,7 @@ def section(report: dict[str, Any]) -> str:
             + "; the machine was shared with other jobs while this ran (several helpers' tests and "
             "benchmarks), so times are noisy; ratios come from one run. " + _load_line(report),
             "",
-            f"Reproduce: `{report['command']}`",
+            f"Reproduce: `{report['command']}`, in its own venv: `{VENV}`",
         ]
     )
 
@@ -446,6 +446,10 @@ CAVEATS = " ".join(
         "first compiled micro-batch and the gradient's relative error against eager, float32; only",
         "for the models listed in --compile.",
     ]
+)
+VENV = (
+    "python -m venv /work/venv-tv && /work/venv-tv/bin/pip install torch==2.14.1 torchvision==0.29.1 "
+    "timm matplotlib && /work/venv-tv/bin/pip install --no-deps -e ."
 )
 DEFAULT_MODELS = (
     "resnet50,convnext_tiny,efficientnet_b0,vit_b_16,swin_t,deeplabv3_mobilenet_v3_large,deeplabv3_resnet50"
