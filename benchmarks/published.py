@@ -92,7 +92,25 @@ class Run:
     peak_kind: str = "reserved"
 
 
-CONFIGS = {"llama-2-13b": LLAMA2_13B, "llama-2-70b": LLAMA2_70B}
+# BERT-large (bert-large-uncased's config.json, DeepLearningExamples' vocabulary padded to 30528):
+# built as transformers' BertLMHeadModel (the causal-LM class of a BERT config): the encoder and
+# the MLM head over every token, as DeepLearningExamples' pretraining computes them.
+BERT_LARGE = {
+    "model_type": "bert",
+    "num_hidden_layers": 24,
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_attention_heads": 16,
+    "vocab_size": 30528,
+    "max_position_embeddings": 512,
+    "type_vocab_size": 2,
+    "is_decoder": True,
+}
+CONFIGS = {"llama-2-13b": LLAMA2_13B, "llama-2-70b": LLAMA2_70B, "bert-large": BERT_LARGE}
+DLE_BERT = (
+    "https://github.com/NVIDIA/DeepLearningExamples/blob/master/PyTorch/LanguageModeling/BERT/README.md"
+    "#pre-training-nvidia-dgx-1-with-16g"
+)
 
 RUNS = (
     Run(
@@ -228,6 +246,40 @@ RUNS = (
         peak_kind="active",
     ),
     Run(
+        "DeepLearningExamples BERT-large pretraining, 1 V100 16GB",
+        "bert-large",
+        "v100-16gb",
+        1,
+        16,
+        1,
+        128,
+        "fp16",
+        "none",
+        "none",
+        125.44 * 128,
+        None,
+        DLE_BERT,
+        "Pre-training DGX-1 16G table: 1 GPU, batch 16 (mixed precision), seq 128, 125.44 sequences/s; "
+        "APEX AMP with fused LAMB, fused GeLU and LayerNorm kernels (simulated: fp16 parameters, AdamW, "
+        "eager, attention as transformers' BERT runs it: matmuls and softmax)",
+    ),
+    Run(
+        "DeepLearningExamples BERT-large pretraining, 8 V100 16GB, DDP",
+        "bert-large",
+        "v100-16gb",
+        8,
+        16,
+        1,
+        128,
+        "fp16",
+        "none",
+        "ddp",
+        919.04 * 128 / 8,
+        None,
+        DLE_BERT,
+        "as the 1-GPU row on 8 GPUs (one DGX-1, NVLink 2): 919.04 sequences/s",
+    ),
+    Run(
         "nanoGPT GPT-2 124M, 8 A100 40GB, DDP",
         "gpt2",
         "a100-40gb",
@@ -248,7 +300,28 @@ RUNS = (
 )
 
 # Published runs the project cannot express, and what is missing.
+TORCHTUNE_TABLE = "https://github.com/pytorch/torchtune/blob/main/README.md#memory-and-training-speed"
 NOT_EXPRESSIBLE = (
+    (
+        "torchtune Llama 3.2 3B, 1 A100, baseline (unpacked)",
+        "2,091 TPS, 25.5 GiB active",
+        TORCHTUNE,
+        "unpacked variable-length batches: the dataset's length distribution is not published",
+    ),
+    (
+        "torchtune Llama 3.2 3B, 1 A100, + compile ... + 8-bit AdamW, LoRA, QLoRA",
+        "8,998 ... 6,960 TPS, 51.0 ... 4.6 GiB",
+        TORCHTUNE,
+        "torch.compile (every later row), chunked cross-entropy, optimizer step fused into backward, "
+        "activation offloading to CPU, 8-bit AdamW, NF4 quantized weights",
+    ),
+    (
+        "torchtune Llama 3.1 8B / 70B / 405B, full, LoRA, QLoRA (4090, A6000, 8 A100)",
+        "1,650 ... 653 TPS",
+        TORCHTUNE_TABLE,
+        "torch.compile on every row (the table's note); no A6000 preset; 70B full with CPU offload, "
+        "405B QLoRA",
+    ),
     (
         "torchtitan Llama 3.1 8B, 8 H100, FSDP + torch.compile",
         "6,667 TPS, 77.0 GiB",
@@ -502,7 +575,8 @@ def section(report: dict[str, Any]) -> str:
             "the others), so selective rows keep more activations (peak over) and recompute fewer "
             "FLOPs (time under) than the runs; the simulated FSDP all-gathers and reduce-scatters are not "
             "overlapped with compute (an upper bound on time); nanoGPT compiles its model (fused "
-            "elementwise kernels), the simulation runs it eager; the A100 clusters' network is not "
+            "elementwise kernels), the simulation runs it eager, as it runs DeepLearningExamples' BERT "
+            "without its fused LAMB, GeLU and LayerNorm kernels; the A100 clusters' network is not "
             "published, taken as DGX A100's (8 x 200 Gb/s InfiniBand).",
             "",
             *(f"Note: {note}." for note in notes),

@@ -367,6 +367,16 @@ _A100_RATES = _Achieved(
         "230 GB/s on NVLink 3 (NVIDIA/nccl-tests#149), 192 GB/s across DGX A100 nodes (NVIDIA/nccl#812)"
     ),
 )
+_V100_RATES = _Achieved(
+    matmul_efficiency=83 / 125,
+    memory_efficiency=0.84,
+    source=(
+        "matmul 66.4 % (cuBLAS fp16 GEMM on tensor cores: up to 83 of 125 TFLOP/s on a Tesla V100, "
+        "Markidis et al., arXiv:1803.04014); attention at the matmul rate (no FlashAttention kernel "
+        f"for sm70: SDPA's memory-efficient one); {_HBM}, the H100's fraction; no NCCL figure found: "
+        "NVLink 2's line rate"
+    ),
+)
 _PRESETS = (
     _gpu("h100-80gb", 81559, 66.9, 494.7, 989.4, 3350, "NVLink 4", 450, _H100_SMI, _H100_RATES),
     # The H100 96GB HBM2e of torchtitan's benchmarks (docs/performance.md: 2.4 TB/s, 500 W power
@@ -378,7 +388,7 @@ _PRESETS = (
     _gpu("a100-40gb", 40960, 19.5, 156, 312, 1555, "NVLink 3", 300, _A100_40_SMI, _A100_RATES),
     # V100 SXM2: 125 TFLOP/s fp16 tensor cores, 15.7 fp32; no TF32 and no bfloat16 tensor cores
     # (bfloat16 matmuls run at the fp32 rate); 900 GB/s HBM2.
-    _gpu("v100-16gb", 16160, 15.7, 15.7, 15.7, 900, "NVLink 2", 150, _V100_SMI, fp16=125),
+    _gpu("v100-16gb", 16160, 15.7, 15.7, 15.7, 900, "NVLink 2", 150, _V100_SMI, _V100_RATES, fp16=125),
     _gpu("l4", 23034, 30.3, 60, 121, 300, "PCIe 4.0 x16", 32, _L4_SMI),
     _gpu("rtx4090", 24564, 82.6, 82.6, 165.2, 1008, "PCIe 4.0 x16", 32, _RTX4090_SMI),
     _gpu("rtx3090", 24576, 35.6, 35.6, 71, 936, "PCIe 4.0 x16", 32, _RTX3090_SMI),
