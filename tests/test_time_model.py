@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn import functional as F
 
 from microbatch.checkpointing.api import find_blocks
 from microbatch.errors import ConfigError
+from microbatch.memory.device_specs import DeviceSpec, devices
 from microbatch.planner.search import Model
 from microbatch.profile import NONE, Fit, PolicyCost, Profile, SegmentProfile, profile_workload
 from microbatch.profile.assemble import fastest_runs
 from microbatch.profile.clocks import clock_for
+from microbatch.profile.roofline import RooflineClock, all_gather_seconds, all_reduce_seconds
 from microbatch.profile.runs import micro_batch_run
 from microbatch.profile.timeline import Run, SegmentRun
 from test_profile import mlp_workload
@@ -164,3 +169,101 @@ def test_times_run_through_the_measurements_and_beyond_along_the_line() -> None:
     assert fit.slope == pytest.approx(line.slope)
     assert fit(64) == pytest.approx(88.0 + line.slope * 48)
     assert fit.to_dict()["line_beyond"] is True
+
+
+# --- The roofline on achieved rates per op class (issue 20) -------------------------------------
+
+
+def test_a_big_matmul_runs_at_the_achieved_matmul_rate() -> None:
+    spec = devices()["h100-80gb"]
+    m = k = n = 8192
+    with FakeTensorMode():
+        a, b = torch.empty(m, k, dtype=torch.bfloat16), torch.empty(k, n, dtype=torch.bfloat16)
+        with RooflineClock(spec) as clock:
+            a @ b
+    flops = 2 * m * k * n
+    achieved = spec.flops_bf16 * 792.1 / 989  # ml-engineering's MAMF of the H100 SXM: 80.1 % of peak
+    assert spec.matmul_flops(torch.bfloat16) == pytest.approx(achieved)
+    # Compute-bound: 1.1e12 FLOPs over 792 TFLOP/s (1.39 ms) against 402 MB over 2.8 TB/s (0.14 ms).
+    assert clock.seconds == pytest.approx(flops / achieved + spec.launch_seconds)
+    assert clock.seconds > flops / spec.flops_bf16 * 1.2  # slower than the bare peak said
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_runs_at_the_attention_rate_causal_counted_half(causal: bool) -> None:
+    spec = devices()["h100-80gb"]
+    b, h, s, d = 1, 32, 4096, 128
+    with FakeTensorMode():
+        q, k, v = (torch.empty(b, h, s, d, dtype=torch.bfloat16) for _ in range(3))
+        with RooflineClock(spec) as clock:
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert clock.ops == 1
+    flops = 4 * b * h * s * s * d  # QK^T and PV, torch's formula: the full square
+    assert clock.flops == flops
+    work = flops / 2 if causal else flops  # FlashAttention's rates count causal FLOPs as half
+    assert spec.attention_flops(torch.bfloat16) == 335e12  # FlashAttention-2 on H100
+    assert clock.seconds == pytest.approx(work / 335e12 + spec.launch_seconds)
+    # float32 attention has no FlashAttention kernel: the matmul's achieved rate.
+    assert spec.attention_flops(torch.float32) == spec.matmul_flops(torch.float32)
+
+
+def test_a_memory_bound_op_moves_its_bytes_at_the_achieved_bandwidth() -> None:
+    spec = devices()["a100-80gb"]
+    with FakeTensorMode():
+        x, y = torch.empty(2**24, dtype=torch.bfloat16), torch.empty(2**24, dtype=torch.bfloat16)
+        with RooflineClock(spec) as clock:
+            x + y
+    moved = 3 * 2 * 2**24  # two inputs read, one output written
+    assert clock.flops == 0
+    expected = moved / (spec.memory_bytes_per_second * 0.84) + spec.launch_seconds
+    assert clock.seconds == pytest.approx(expected)
+
+
+def test_collectives_run_at_the_nccl_bus_bandwidth_within_and_across_nodes() -> None:
+    h100, a100 = devices()["h100-80gb"], devices()["a100-80gb"]
+    n = 16 * 10**9
+    # Within a node: NVLink's measured bus bandwidth, not its 450 / 300 GB/s line rate.
+    assert all_gather_seconds(n, 8, h100) == pytest.approx(7 / 8 * n / 370e9)
+    assert all_gather_seconds(n, 8, a100) == pytest.approx(7 / 8 * n / 230e9)
+    # Across DGX A100 nodes the InfiniBand ring (192 GB/s busbw) is the slower link.
+    assert all_reduce_seconds(n, 64, a100) == pytest.approx(2 * 63 / 64 * n / 192e9)
+    # H100 nodes with 8 x 400 Gb/s: the network (384) is faster than NVLink (370), NVLink bounds.
+    assert h100.collective_bytes_per_second(128) == 370e9
+
+
+def test_every_preset_cites_its_achieved_rates() -> None:
+    for name, spec in devices().items():
+        assert spec.rates_source, name
+        stated = (
+            spec.matmul_efficiency != 1
+            or spec.attention_flops_per_second
+            or spec.memory_efficiency != 1
+            or spec.bus_bytes_per_second
+        )
+        if stated:  # each figure names where it was published
+            assert re.search(r"arXiv:\d{4}\.\d{5}", spec.rates_source), name
+            assert re.search(r"\d+ %", spec.rates_source), name
+            if spec.matmul_efficiency != 1 and spec.attention_flops_per_second:
+                assert "ml-engineering" in spec.rates_source, name  # MAMF
+            if spec.bus_bytes_per_second:
+                assert re.search(r"nccl-tests#\d+", spec.rates_source), name
+        else:
+            assert "no published achieved" in spec.rates_source or "round figures" in spec.rates_source, name
+    for name in ("h100-80gb", "h100-96gb", "h200", "a100-80gb", "a100-40gb"):
+        assert devices()[name].matmul_efficiency < 1, name
+
+
+def test_a_measured_spec_is_achieved_already() -> None:
+    spec = DeviceSpec.measure("cpu", size=64, repeats=1)
+    assert spec.matmul_efficiency == 1 and spec.memory_efficiency == 1
+    assert spec.matmul_flops(torch.float32) == spec.flops_fp32
+    assert spec.achieved_memory_bytes_per_second == spec.memory_bytes_per_second
+    assert spec.rates_source.startswith("measured")
+
+
+def test_achieved_rates_are_checked() -> None:
+    spec = devices()["l4"]
+    with pytest.raises(ConfigError, match="matmul_efficiency"):
+        spec.replace(matmul_efficiency=1.5)
+    with pytest.raises(ConfigError, match="fractions in"):
+        spec.replace(bus_bytes_per_second=-1.0)

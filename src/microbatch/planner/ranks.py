@@ -79,7 +79,8 @@ def interconnect_spec(device: torch.device) -> tuple[DeviceSpec, str]:
         spec = matches[0] if matches else DeviceSpec("cuda", "cuda", 0, 0.0, 0.0, 0.0, 0.0, 0.0)
     note = (
         f"interconnect not measured: taken as {spec.interconnect}, "
-        f"{spec.interconnect_bytes_per_second / 1e9:.3g} GB/s (pass device= a DeviceSpec to state it)"
+        f"{spec.collective_bytes_per_second(1) / 1e9:.3g} GB/s bus bandwidth (pass device= a DeviceSpec "
+        "to state it)"
     )
     return spec, note
 

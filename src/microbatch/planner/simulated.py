@@ -142,7 +142,8 @@ def finish(
     if spec is not None:
         notes.append(
             f"simulated for {spec.name} under fake tensors (no kernel ran, no trial): peak in "
-            f"{profile.peak_kind} from MemoryTracker's counting, time from a roofline ({spec.source})"
+            f"{profile.peak_kind} from MemoryTracker's counting, time from a roofline at achieved rates "
+            f"({spec.rates_summary}; {spec.source})"
         )
     breakdown = ranks.rank_breakdown(plan.peak_parts, extras, context if spec is not None else 0)
     logger.info("plan peak per rank %s", format_bytes(plan.predicted_peak_bytes))

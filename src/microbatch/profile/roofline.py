@@ -2,21 +2,36 @@
 
 Each op that computes (not a view or a metadata op) costs
 
-    seconds = max(flops / peak(dtype), bytes_moved / bandwidth) + launch_floor
+    seconds = max(flops / achieved_rate(op class, dtype), bytes_moved / achieved_bandwidth) + launch_floor
 
 FLOPs come from torch's own formulas (``torch.utils.flop_counter``, the registry FlopCounterMode
 uses: matmuls, convolutions, attention); ops without a formula are taken as bandwidth-bound.
-``bytes_moved`` is what the op reads and writes: the bytes of its tensor inputs and outputs. The
-peak is the device's matmul rate for the op's dtype (TF32 for float32 when allowed). This is a
-lower bound on time: fused kernels move less, and no real kernel reaches the peak.
+``bytes_moved`` is what the op reads and writes: the bytes of its tensor inputs and outputs.
+
+The rates are what kernels achieve, not the data sheet's peaks (``DeviceSpec``'s achieved rates,
+issue 20), by op class:
+
+- dense matmuls and convolutions: the matmul peak for the op's dtype (TF32 for float32 when
+  allowed) times the device's ``matmul_efficiency``;
+- fused attention (SDPA's flash, memory-efficient and cuDNN kernels, forward and backward, and the
+  CPU flash kernel the simulation's fake tensors dispatch to): the device's achieved attention
+  FLOP/s. A causal kernel skips the masked half of the scores, and FlashAttention's published
+  rates count causal FLOPs as half, so torch's full-square formula is halved for causal calls;
+- everything else (elementwise, norms, reductions, copies, the optimizer's foreach ops):
+  memory-bound, its bytes over the achieved bandwidth (``memory_efficiency`` of the peak).
+
+What remains optimistic: kernels on small shapes run below the large-matmul rate, and the
+launch floor is the only per-op overhead (no CPU-side dispatch stalls).
 
 ``RooflineClock`` is a dispatch mode that adds up these seconds as ops run (under FakeTensorMode
 too, which runs no kernel), so a simulated forward and backward read a clock as a real one reads
 ``time.perf_counter``.
 
-Collectives (ring algorithms, the bandwidth term only) for W ranks and a message of n bytes on a
-link of bandwidth B per direction: all-reduce 2 (W - 1) / W * n / B; all-gather and reduce-scatter
-(W - 1) / W * n / B, where n is the full (unsharded) size.
+Collectives (ring algorithms, the bandwidth term only) for W ranks and a message of n bytes at
+NCCL's bus bandwidth B (nccl-tests' busbw, ``DeviceSpec.collective_bytes_per_second``, which
+already folds in the protocol overhead and, past one node, the network): all-reduce
+2 (W - 1) / W * n / B; all-gather and reduce-scatter (W - 1) / W * n / B, where n is the full
+(unsharded) size.
 """
 
 from __future__ import annotations
@@ -59,6 +74,44 @@ _FORMULAS: dict[Any, Any] = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
 }
+
+
+_ATTENTION_NAMES = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_forward",
+    "_flash_attention_backward",
+    "_efficient_attention_forward",
+    "_efficient_attention_backward",
+)
+# Fused attention kernels (the packets this torch build has), priced at the attention rate.
+ATTENTION_OPS = frozenset(
+    getattr(torch.ops.aten, name) for name in _ATTENTION_NAMES if hasattr(torch.ops.aten, name)
+)
+
+
+def is_causal_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an attention op was called with ``is_causal=True`` (read by the op's schema)."""
+    if "is_causal" in kwargs:
+        return bool(kwargs["is_causal"])
+    names = [argument.name for argument in func._schema.arguments]
+    if "is_causal" not in names:
+        return False
+    index = names.index("is_causal")
+    return bool(args[index]) if index < len(args) else False
+
+
+def op_class(func: Any, flops: int) -> str:
+    """ "attention" (a fused attention kernel), "matmul" (an op with a FLOP formula) or "memory"."""
+    if getattr(func, "_overloadpacket", None) in ATTENTION_OPS:
+        return "attention"
+    return "matmul" if flops else "memory"
 
 
 def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
@@ -114,19 +167,28 @@ class RooflineClock(TorchDispatchMode):
         flops = op_flops(func, args, kwargs, out)
         self.flops += flops
         self.ops += 1
-        compute = flops / self.spec.flops(_dtype(args, out), tf32=self.tf32) if flops else 0.0
-        return max(compute, moved / self.spec.memory_bytes_per_second) + self.spec.launch_seconds
+        kind = op_class(func, flops)
+        dtype = _dtype(args, out)
+        compute = 0.0
+        if kind == "attention":
+            # FlashAttention's rates count a causal call's FLOPs as half (the masked half is skipped).
+            work = flops / 2 if is_causal_call(func, args, kwargs) else flops
+            compute = work / self.spec.attention_flops(dtype, tf32=self.tf32)
+        elif kind == "matmul":
+            compute = flops / self.spec.matmul_flops(dtype, tf32=self.tf32)
+        memory = moved / self.spec.achieved_memory_bytes_per_second
+        return max(compute, memory) + self.spec.launch_seconds
 
 
 def all_reduce_seconds(message_bytes: float, world_size: int, spec: DeviceSpec) -> float:
     """Ring all-reduce of ``message_bytes`` across ``world_size`` ranks (bandwidth term)."""
     if world_size <= 1:
         return 0.0
-    return 2 * (world_size - 1) / world_size * message_bytes / spec.interconnect_bytes_per_second
+    return 2 * (world_size - 1) / world_size * message_bytes / spec.collective_bytes_per_second(world_size)
 
 
 def all_gather_seconds(message_bytes: float, world_size: int, spec: DeviceSpec) -> float:
     """Ring all-gather (or reduce-scatter) whose full, unsharded result is ``message_bytes``."""
     if world_size <= 1:
         return 0.0
-    return (world_size - 1) / world_size * message_bytes / spec.interconnect_bytes_per_second
+    return (world_size - 1) / world_size * message_bytes / spec.collective_bytes_per_second(world_size)

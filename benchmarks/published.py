@@ -1,0 +1,641 @@
+"""Simulated against published GPU runs: the time model and the peak beside what others measured.
+
+Each row is a training run someone published with its whole configuration (model, GPUs, data
+parallelism, micro-batch, sequence length, precision, activation checkpointing) and its throughput
+in tokens per second per GPU, and where given its peak memory. The simulation plans that exact
+configuration for the device preset (fake tensors, the roofline on achieved rates per op class,
+memory/device_specs.py): the micro-batch and the policy are the run's, not chosen by the planner.
+Beside them: the prediction's error, (predicted - published) / published.
+
+Rows the project cannot express (tensor parallelism, float8, torch.compile's fused kernels,
+context parallelism) are listed with what is missing. Nothing here is fitted: the rates come from
+the sources cited at the presets; this table only checks them.
+
+    python benchmarks/published.py            # all rows, writes RESULTS.md
+    python benchmarks/published.py --quick    # the first row only, no RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import resource
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import results
+from microbatch.hf.configs import PRECISIONS, ModelSetup, simulate_config_profile
+from microbatch.memory import format_bytes
+from microbatch.memory.device_specs import devices
+from microbatch.planner import plan
+from microbatch.profile import roofline
+
+SECTION_TITLE = "Simulated against published GPU runs"
+TOKENS_TARGET, PEAK_TARGET = 0.15, 0.05  # issue 20: tokens/s within 15 %, peak within 5 %
+GIB = 1024**3
+TORCHTITAN_H100 = "https://github.com/pytorch/torchtitan/blob/main/docs/performance.md"
+# The Llama 3 / Llama 2 A100 tables, before the H100 rewrite of the same file (commit 0413364).
+TORCHTITAN_A100 = (
+    "https://github.com/pytorch/torchtitan/blob/041336434916bdc0f88c1f89fda176fd3c2092e4/docs/performance.md"
+)
+NANOGPT = "https://github.com/karpathy/nanoGPT/blob/master/README.md"
+TORCHTUNE = "https://github.com/pytorch/torchtune/blob/main/README.md#optimization-flags"
+# Llama 2 13B's public config.json (meta-llama/Llama-2-13b-hf): not among the named architectures.
+LLAMA2_13B = {
+    "model_type": "llama",
+    "num_hidden_layers": 40,
+    "hidden_size": 5120,
+    "intermediate_size": 13824,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 40,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+LLAMA2_70B = {
+    **LLAMA2_13B,
+    "num_hidden_layers": 80,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One published run: its configuration, its figures and where they are published."""
+
+    name: str
+    model: str  # a named architecture, or a key of CONFIGS
+    device: str  # the preset
+    world_size: int
+    micro_batch: int  # per GPU
+    steps: int  # micro-batches per optimizer step (gradient accumulation)
+    seq_len: int
+    precision: str  # "mixed": fp32 parameters and optimizer state, bf16 compute (FSDP2 / autocast)
+    policy: str  # activation checkpointing: none, full, selective
+    shard: str  # fsdp or ddp
+    tokens_per_second: float  # per GPU, as published
+    peak_gib: float | None  # as published, None when not given
+    source: str
+    detail: str  # what the source says, and what differs from the simulation
+    # What the published peak counts: "reserved" (torch.cuda.max_memory_reserved, torchtitan's
+    # "memory") or "active" (max allocated bytes: no allocator cache, no CUDA context).
+    peak_kind: str = "reserved"
+
+
+# BERT-large (bert-large-uncased's config.json, DeepLearningExamples' vocabulary padded to 30528):
+# built as transformers' BertLMHeadModel (the causal-LM class of a BERT config): the encoder and
+# the MLM head over every token, as DeepLearningExamples' pretraining computes them.
+BERT_LARGE = {
+    "model_type": "bert",
+    "num_hidden_layers": 24,
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_attention_heads": 16,
+    "vocab_size": 30528,
+    "max_position_embeddings": 512,
+    "type_vocab_size": 2,
+    "is_decoder": True,
+}
+CONFIGS = {"llama-2-13b": LLAMA2_13B, "llama-2-70b": LLAMA2_70B, "bert-large": BERT_LARGE}
+DLE_BERT = (
+    "https://github.com/NVIDIA/DeepLearningExamples/blob/master/PyTorch/LanguageModeling/BERT/README.md"
+    "#pre-training-nvidia-dgx-1-with-16g"
+)
+
+RUNS = (
+    Run(
+        "torchtitan Llama 3.1 8B, 8 H100, FSDP",
+        "llama-3.1-8b",
+        "h100-96gb",
+        8,
+        2,
+        1,
+        8192,
+        "mixed",
+        "selective",
+        "fsdp",
+        5762,
+        82.4,
+        TORCHTITAN_H100,
+        "Table 1, row FSDP: local batch 2, seq 8192 (torchtitan's llama3_8b.toml), selective (op) AC, "
+        "bf16 FSDP2 mixed precision, eager; H100 96GB HBM2e at 500 W",
+    ),
+    Run(
+        "torchtitan Llama 3.1 8B, 128 H100, FSDP",
+        "llama-3.1-8b",
+        "h100-96gb",
+        128,
+        2,
+        1,
+        8192,
+        "mixed",
+        "selective",
+        "fsdp",
+        5605,
+        67.0,
+        TORCHTITAN_H100,
+        "Table 3, row FSDP: as Table 1 on 16 nodes, 400 Gb/s RDMA per GPU",
+    ),
+    Run(
+        "torchtitan Llama 3 8B, 64 A100, FSDP",
+        "llama-3.1-8b",
+        "a100-80gb",
+        64,
+        1,
+        1,
+        8192,
+        "mixed",
+        "selective",
+        "fsdp",
+        2973,
+        None,
+        TORCHTITAN_A100,
+        "Llama 3 table: local batch 1, selective op AC, 2973 WPS (58.2 % MFU); memory not published",
+    ),
+    Run(
+        "torchtitan Llama 3 70B, 64 A100, FSDP",
+        "llama-3.1-70b",
+        "a100-80gb",
+        64,
+        1,
+        1,
+        8192,
+        "mixed",
+        "full",
+        "fsdp",
+        331,
+        None,
+        TORCHTITAN_A100,
+        "Llama 3 table (later revision: 331 WPS, 51.7 % MFU; first revision 323): local batch 1, full AC",
+    ),
+    Run(
+        "torchtitan Llama 2 13B, 64 A100, FSDP, no AC",
+        "llama-2-13b",
+        "a100-80gb",
+        64,
+        2,
+        1,
+        4096,
+        "mixed",
+        "none",
+        "fsdp",
+        2162,
+        None,
+        TORCHTITAN_A100,
+        "Llama 2 table: local batch 2, seq 4096, no AC, 2162 WPS (61.1 % MFU)",
+    ),
+    Run(
+        "torchtitan Llama 2 13B, 64 A100, FSDP, selective AC",
+        "llama-2-13b",
+        "a100-80gb",
+        64,
+        2,
+        1,
+        4096,
+        "mixed",
+        "selective",
+        "fsdp",
+        1904,
+        None,
+        TORCHTITAN_A100,
+        "Llama 2 table: local batch 2, selective op AC, 1904 WPS (53.8 % MFU)",
+    ),
+    Run(
+        "torchtitan Llama 2 70B, 64 A100, FSDP, full AC",
+        "llama-2-70b",
+        "a100-80gb",
+        64,
+        2,
+        1,
+        4096,
+        "mixed",
+        "full",
+        "fsdp",
+        353,
+        None,
+        TORCHTITAN_A100,
+        "Llama 2 table: local batch 2, full AC, 353 WPS (50.5 % MFU)",
+    ),
+    Run(
+        "torchtune Llama 3.2 3B, 1 A100, full finetune",
+        "llama-3.2-3b",
+        "a100-80gb",
+        1,
+        2,
+        1,
+        4096,
+        "bf16",
+        "none",
+        "none",
+        7075,
+        60.0,
+        TORCHTUNE,
+        "Optimization flags table, row '+ Packed Dataset': full_finetune_single_device, batch 2, packed "
+        "to 4096, bf16 parameters and AdamW state, no compile, no AC, no chunked loss; 'Peak Memory "
+        "Active' (allocated bytes)",
+        peak_kind="active",
+    ),
+    Run(
+        "DeepLearningExamples BERT-large pretraining, 1 V100 16GB",
+        "bert-large",
+        "v100-16gb",
+        1,
+        16,
+        1,
+        128,
+        "fp16",
+        "none",
+        "none",
+        125.44 * 128,
+        None,
+        DLE_BERT,
+        "Pre-training DGX-1 16G table: 1 GPU, batch 16 (mixed precision), seq 128, 125.44 sequences/s; "
+        "APEX AMP with fused LAMB, fused GeLU and LayerNorm kernels (simulated: fp16 parameters, AdamW, "
+        "eager, attention as transformers' BERT runs it: matmuls and softmax)",
+    ),
+    Run(
+        "DeepLearningExamples BERT-large pretraining, 8 V100 16GB, DDP",
+        "bert-large",
+        "v100-16gb",
+        8,
+        16,
+        1,
+        128,
+        "fp16",
+        "none",
+        "ddp",
+        919.04 * 128 / 8,
+        None,
+        DLE_BERT,
+        "as the 1-GPU row on 8 GPUs (one DGX-1, NVLink 2): 919.04 sequences/s",
+    ),
+    Run(
+        "nanoGPT GPT-2 124M, 8 A100 40GB, DDP",
+        "gpt2",
+        "a100-40gb",
+        8,
+        12,
+        5,
+        1024,
+        "mixed",
+        "none",
+        "ddp",
+        106_667,
+        None,
+        NANOGPT,
+        "config/train_gpt2.py: batch_size 12, block_size 1024, gradient_accumulation_steps 5 x 8 (5 "
+        "per GPU), 600k iterations in 'about 4 days': 491,520 tokens per 0.576 s, 106.7k per GPU; bf16 "
+        "autocast, fused AdamW, torch.compile (simulated eager); 'about' makes this row approximate",
+    ),
+)
+
+# Published runs the project cannot express, and what is missing.
+TORCHTUNE_TABLE = "https://github.com/pytorch/torchtune/blob/main/README.md#memory-and-training-speed"
+NOT_EXPRESSIBLE = (
+    (
+        "torchtune Llama 3.2 3B, 1 A100, baseline (unpacked)",
+        "2,091 TPS, 25.5 GiB active",
+        TORCHTUNE,
+        "unpacked variable-length batches: the dataset's length distribution is not published",
+    ),
+    (
+        "torchtune Llama 3.2 3B, 1 A100, + compile ... + 8-bit AdamW, LoRA, QLoRA",
+        "8,998 ... 6,960 TPS, 51.0 ... 4.6 GiB",
+        TORCHTUNE,
+        "torch.compile (every later row), chunked cross-entropy, optimizer step fused into backward, "
+        "activation offloading to CPU, 8-bit AdamW, NF4 quantized weights",
+    ),
+    (
+        "torchtune Llama 3.1 8B / 70B / 405B, full, LoRA, QLoRA (4090, A6000, 8 A100)",
+        "1,650 ... 653 TPS",
+        TORCHTUNE_TABLE,
+        "torch.compile on every row (the table's note); no A6000 preset; 70B full with CPU offload, "
+        "405B QLoRA",
+    ),
+    (
+        "torchtitan Llama 3.1 8B, 8 H100, FSDP + torch.compile",
+        "6,667 TPS, 77.0 GiB",
+        TORCHTITAN_H100,
+        "torch.compile's fused kernels (the roofline prices eager aten ops)",
+    ),
+    (
+        "torchtitan Llama 3.1 8B, 8 H100, FSDP + compile + Float8",
+        "8,532 TPS, 76.8 GiB",
+        TORCHTITAN_H100,
+        "float8 matmuls (no fp8 rate or dtype in the simulation), torch.compile",
+    ),
+    (
+        "torchtitan Llama 3.1 8B, 128 H100, FSDP + compile (+ Float8)",
+        "6,514 / 8,380 TPS",
+        TORCHTITAN_H100,
+        "torch.compile, float8",
+    ),
+    (
+        "torchtitan Llama 3.1 8B, FSDP + CP, seq 32k-262k",
+        "3,890 ... 548 TPS",
+        TORCHTITAN_H100,
+        "context parallelism, float8, torch.compile",
+    ),
+    (
+        "torchtitan Llama 3.1 70B, 256 H100, FSDP 32 x TP 8",
+        "829 / 876 TPS",
+        TORCHTITAN_H100,
+        "tensor parallelism (and async TP), float8, torch.compile",
+    ),
+    (
+        "torchtitan Llama 3.1 405B, 512 H100, 3D / 4D",
+        "100 ... 16 TPS",
+        TORCHTITAN_H100,
+        "tensor parallelism with pipeline stages of FSDP ranks, float8, torch.compile",
+    ),
+)
+
+
+def _config_path(model: str, folder: Path) -> str:
+    """A named architecture as is; a CONFIGS entry written to a config.json in ``folder``."""
+    if model not in CONFIGS:
+        return model
+    path = folder / model / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(CONFIGS[model]), encoding="utf-8")
+    return str(path)
+
+
+def precision_of(run: Run) -> tuple[str, str | None]:
+    """The run's precision when the simulation knows it, else bf16 and a note saying so."""
+    if run.precision in PRECISIONS:
+        return run.precision, None
+    note = (
+        f"precision {run.precision!r} is not a mode of this microbatch ({', '.join(PRECISIONS)}): "
+        "simulated in bf16 (bf16 parameters, gradients and AdamW state: less memory than the run's fp32)"
+    )
+    return "bf16", note
+
+
+@contextlib.contextmanager
+def causal_attention() -> Iterator[None]:
+    """Every attention op priced as causal, for the ``with`` block.
+
+    Every row's model is a causal LM. On a GPU, transformers calls SDPA with ``is_causal=True``
+    (no mask tensor); under fake tensors it builds an explicit causal mask and passes
+    ``is_causal=False`` (its mask-skipping check treats fake tensors as traced), so the simulation
+    prices the whole square of scores, twice FlashAttention's causal work. This column prices the
+    attention as the GPU runs it.
+    """
+    original = roofline.is_causal_call
+    roofline.is_causal_call = lambda func, args, kwargs: True  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        roofline.is_causal_call = original  # type: ignore[assignment]
+
+
+def simulate_run(run: Run, folder: Path) -> dict[str, Any]:
+    """The run as simulated, and again with its attention priced causal (``causal_attention``)."""
+    row = _simulate(run, folder)
+    with causal_attention():
+        causal = _simulate(run, folder)
+    row["causal_tokens_per_second"] = causal["predicted_tokens_per_second"]
+    row["causal_tokens_error"] = causal["tokens_error"]
+    row["planning_seconds"] += causal["planning_seconds"]
+    return row
+
+
+def _simulate(run: Run, folder: Path) -> dict[str, Any]:
+    """The run's configuration planned on its preset: predicted peak and tokens/s per GPU."""
+    began = time.perf_counter()
+    precision, note = precision_of(run)
+    if note:
+        print(f"{run.name}: {note}", file=sys.stderr)
+    spec = devices()[run.device]
+    roomy = spec.replace(memory_bytes=2**40)  # the published peak may exceed what the preset holds
+    setup = ModelSetup(seq_len=run.seq_len, precision=precision)
+    workload, profile = simulate_config_profile(
+        _config_path(run.model, folder),
+        setup,
+        roomy,
+        max_micro_batch_size=run.micro_batch,
+        policies=[run.policy],
+    )
+    chosen = plan(
+        workload,
+        batch=run.micro_batch * run.steps * run.world_size,
+        memory="1TiB",
+        world_size=run.world_size,
+        policies=[run.policy],
+        profile=profile,
+        device=roomy,
+        shard=run.shard,
+        min_micro_batch_size=run.micro_batch,
+        even=True,
+    )
+    # The planner always may leave a block unchecked (none); the run checkpoints every block with
+    # its policy: that point of the frontier (with a roomy budget, the fastest plan is all none).
+    point = next(
+        (
+            point
+            for point in chosen.frontier
+            if point.micro_batch_size == run.micro_batch
+            and point.steps == run.steps
+            and {policy for _, policy in point.block_policies} == {run.policy}
+        ),
+        None,
+    )
+    if point is None:
+        raise RuntimeError(
+            f"{run.name}: no plan of micro-batch {run.micro_batch} x {run.steps}, {run.policy}"
+        )
+    tokens = run.micro_batch * run.steps * run.seq_len  # per GPU per optimizer step
+    predicted = tokens / point.seconds_per_step
+    peak = point.predicted_peak_bytes
+    if run.peak_kind == "active":
+        # Allocated bytes: the prediction less what only reserved bytes count (the chosen plan's
+        # allocator cache, the same micro-batch, and the CUDA context allowance).
+        outside = ("CUDA context and workspaces (allowance)", "caching allocator (reserved - live)")
+        peak -= sum(value for name, value in chosen.rank_parts if name in outside)
+    return {
+        "name": run.name,
+        "precision_simulated": precision,
+        "precision_note": note,
+        "published_tokens_per_second": run.tokens_per_second,
+        "predicted_tokens_per_second": predicted,
+        "tokens_error": predicted / run.tokens_per_second - 1,
+        "published_peak_gib": run.peak_gib,
+        "predicted_peak_bytes": peak,
+        "peak_error": None if run.peak_gib is None else peak / (run.peak_gib * GIB) - 1,
+        "seconds_per_step": point.seconds_per_step,
+        "reserved_bytes": point.predicted_peak_bytes,
+        "card_bytes": spec.memory_bytes,
+        "planning_seconds": time.perf_counter() - began,
+    }
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:+.1f} %"
+
+
+def _configuration(run: Run, row: dict[str, Any]) -> str:
+    steps = f" x {run.steps}" if run.steps > 1 else ""
+    precision = (
+        run.precision if not row["precision_note"] else f"{run.precision} (as {row['precision_simulated']})"
+    )
+    return (
+        f"{run.world_size} x {run.device}, {run.shard.upper() if run.shard != 'none' else 'one GPU'}, "
+        f"micro-batch {run.micro_batch}{steps}, "
+        f"seq {run.seq_len}, {precision}, AC {run.policy}"
+    )
+
+
+def section(report: dict[str, Any]) -> str:
+    runs = {run.name: run for run in RUNS}
+    rows = []
+    for row in report["rows"]:
+        run = runs[row["name"]]
+        rows.append(
+            [
+                run.name,
+                _configuration(run, row),
+                f"{run.tokens_per_second:,.0f}",
+                f"{row['predicted_tokens_per_second']:,.0f}",
+                _percent(row["tokens_error"]),
+                f"{row['causal_tokens_per_second']:,.0f}",
+                _percent(row["causal_tokens_error"]),
+                "-" if run.peak_gib is None else f"{run.peak_gib:.1f} GiB {run.peak_kind}",
+                format_bytes(row["predicted_peak_bytes"]),
+                _percent(row["peak_error"]),
+                "yes"
+                if row["reserved_bytes"] <= row["card_bytes"]
+                else f"no ({format_bytes(row['card_bytes'])})",
+                f"[source]({run.source}): {run.detail}",
+            ]
+        )
+    headers = [
+        "run",
+        "configuration (per GPU)",
+        "published tokens/s/GPU",
+        "predicted",
+        "error",
+        "predicted, attention causal",
+        "error",
+        "published peak",
+        "predicted peak",
+        "error",
+        "fits the card (the run did)",
+        "source",
+    ]
+    missing = [[name, figures, f"[source]({source})", why] for name, figures, source, why in NOT_EXPRESSIBLE]
+    all_rows = report["rows"]
+    tokens_ok = [row for row in all_rows if abs(row["tokens_error"]) <= TOKENS_TARGET]
+    causal_ok = [row for row in all_rows if abs(row["causal_tokens_error"]) <= TOKENS_TARGET]
+    peaks = [row for row in all_rows if row["peak_error"] is not None]
+    peaks_ok = [row for row in peaks if abs(row["peak_error"]) <= PEAK_TARGET]
+    misses = [
+        f"{row['name']} (tokens/s {_percent(row['tokens_error'])})"
+        for row in all_rows
+        if row not in tokens_ok
+    ] + [f"{row['name']} (peak {_percent(row['peak_error'])})" for row in peaks if row not in peaks_ok]
+    too_big = [row["name"] for row in all_rows if row["reserved_bytes"] > row["card_bytes"]]
+    notes = sorted({row["precision_note"] for row in all_rows if row["precision_note"]})
+    return "\n".join(
+        [
+            f"`{report['command']}`: each published run's own configuration (micro-batch, policy, ranks) "
+            "simulated on its device preset on this CPU (fake tensors; two layers of the big models "
+            "simulated and repeated), priced by the roofline on achieved rates per op class "
+            "(memory/device_specs.py cites each; none is fitted to these rows). "
+            "Error = predicted / published - 1. Targets (issue 20): tokens/s within 15 %, peak within 5 %. "
+            f"Tokens/s within target: {len(tokens_ok)} of {len(all_rows)} rows as simulated, "
+            f"{len(causal_ok)} of {len(all_rows)} with the attention priced causal (as on a GPU: "
+            "transformers passes an explicit causal mask under fake tensors, so the simulation prices "
+            "the whole square of scores; the column prices what FlashAttention computes). Peak within "
+            f"target: {len(peaks_ok)} of {len(peaks)} rows that publish one.",
+            "",
+            results.markdown_table(headers, rows),
+            "",
+            "Misses: "
+            + ("; ".join(misses) if misses else "none")
+            + ". "
+            + (f"Predicted above the card although the run fitted: {'; '.join(too_big)}. " if too_big else "")
+            + "Known causes, none corrected for here: the torchtitan and nanoGPT runs keep fp32 "
+            "parameters and optimizer state with bf16 compute (FSDP2's MixedPrecisionPolicy, autocast), "
+            "which this microbatch simulates as bf16 throughout (see the note): their peaks lack "
+            "8 bytes per parameter per rank (divided by the ranks under FSDP: 7.5 GiB on 8 ranks for "
+            "the 8B, 0.5 GiB on 128), so the 8-H100 row's peak is within target only for want of "
+            "them (with them about +6 %, the 128-H100 row about +13 %); microbatch's selective policy "
+            "saves every matmul's output, torchtitan's op-level SAC every second mm's (it recomputes "
+            "the others), so selective rows keep more activations (peak over) and recompute fewer "
+            "FLOPs (time under) than the runs; the simulated FSDP all-gathers and reduce-scatters are not "
+            "overlapped with compute (an upper bound on time); nanoGPT compiles its model (fused "
+            "elementwise kernels), the simulation runs it eager, as it runs DeepLearningExamples' BERT "
+            "without its fused LAMB, GeLU and LayerNorm kernels; the A100 clusters' network is not "
+            "published, taken as DGX A100's (8 x 200 Gb/s InfiniBand).",
+            "",
+            *(f"Note: {note}." for note in notes),
+            "",
+            "Published runs the simulation cannot express:",
+            "",
+            results.markdown_table(["run", "published", "source", "missing"], missing),
+            "",
+            f"Load while simulating: {report['load_before']} before, {report['load_after']} after "
+            f"(/proc/loadavg); {report['seconds']:.0f} s in all; peak RSS {report['max_rss_mib']:.0f} MiB.",
+            "",
+            results.environment_line(),
+        ]
+    )
+
+
+def _load() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text(encoding="utf-8").split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the first row only")
+    parser.add_argument("--only", default=None, help="rows whose name contains this text")
+    results.add_output_arguments(parser)
+    args = parser.parse_args(argv)
+    runs = RUNS[:1] if args.quick else RUNS
+    if args.only:
+        runs = tuple(run for run in runs if args.only.lower() in run.name.lower())
+    load_before, began = _load(), time.perf_counter()
+    quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    with quiet, tempfile.TemporaryDirectory() as folder:
+        rows = []
+        for run in runs:
+            row = simulate_run(run, Path(folder))
+            print(
+                f"{run.name}: {row['predicted_tokens_per_second']:,.0f} tokens/s/GPU "
+                f"({_percent(row['tokens_error'])}; causal {_percent(row['causal_tokens_error'])}), "
+                f"peak {format_bytes(row['predicted_peak_bytes'])} "
+                f"({_percent(row['peak_error'])}), {row['planning_seconds']:.0f} s",
+                file=sys.stderr,
+            )
+            rows.append(row)
+    report: dict[str, Any] = {
+        "rows": rows,
+        "load_before": load_before,
+        "load_after": _load(),
+        "seconds": time.perf_counter() - began,
+        "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "command": results.reproducing_command(
+            "published", sys.argv[1:] if argv is None else list(argv), json_mode=args.json
+        ),
+    }
+    write = not args.no_write and not args.quick and not args.only
+    return results.emit(SECTION_TITLE, section(report), report, json_mode=args.json, write=write)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
