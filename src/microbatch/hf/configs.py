@@ -14,6 +14,7 @@ repeats the later layer's costs for every layer after the first, and measures th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -29,6 +30,7 @@ from ..errors import ConfigError, WorkloadError
 from ..memory.device_specs import DeviceSpec
 from ..planner.plan_checks import read_plan_file
 from ..profile.costs import Profile, SegmentProfile
+from ..profile.cuda_autocast import simulating_cuda
 from ..profile.measure import ProgressFn
 from ..profile.simulate import simulate_profile, simulation, static_costs
 from ..profile.timeline import gap_names
@@ -115,7 +117,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
     },
 }
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The parameters' dtype per precision. "mixed" is what torchtitan, FSDP2's MixedPrecisionPolicy
+# and HF AMP train with: float32 parameters, gradients and optimizer state (16 B per parameter
+# with AdamW: 4 + 4 + 8), the forward and backward under bfloat16 autocast.
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "mixed": torch.float32}
+AUTOCAST_DTYPES = {"mixed": torch.bfloat16}
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
 LORA_TARGETS = (
     "q_proj",
@@ -152,6 +158,11 @@ class ModelSetup:
     @property
     def dtype(self) -> torch.dtype:
         return PRECISIONS[self.precision]
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype the loss runs in under autocast ("mixed"), or None: the parameters' own."""
+        return AUTOCAST_DTYPES.get(self.precision)
 
 
 def is_architecture(spec: str) -> bool:
@@ -273,6 +284,14 @@ def _optimizer(name: str) -> Callable[[nn.Module], torch.optim.Optimizer]:
     return make
 
 
+def _autocast(setup: ModelSetup, ids: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """The forward's autocast for ``setup``: CUDA's when simulating a GPU, else the batch's device's."""
+    if setup.autocast_dtype is None:
+        return contextlib.nullcontext()
+    device_type = "cuda" if simulating_cuda() else ids.device.type
+    return torch.autocast(device_type, dtype=setup.autocast_dtype)
+
+
 def config_workload(spec: str, setup: ModelSetup, *, layers: int | None = None) -> Workload:
     """A Workload of the named architecture (or config.json) with fake weights; ``layers`` cuts it."""
     fields = architecture_config(spec)
@@ -287,7 +306,8 @@ def config_workload(spec: str, setup: ModelSetup, *, layers: int | None = None) 
         return {"input_ids": ids, "labels": ids}
 
     def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        output = model(input_ids=batch["input_ids"], labels=batch["labels"])
+        with _autocast(setup, batch["input_ids"]):
+            output = model(input_ids=batch["input_ids"], labels=batch["labels"])
         # The model's loss is the mean over the shifted labels: seq_len - 1 per row.
         return output.loss, int(batch["input_ids"].shape[0]) * (setup.seq_len - 1)
 

@@ -13,7 +13,9 @@ A profile describes one rank running the whole model. Data parallelism changes i
   copies its full gradients into a reduce-scatter buffer and keeps its shard of the result. Time:
   per micro-batch, parameters all-gathered in forward and again in backward and gradients
   reduce-scattered, (W - 1) / W * bytes / link each, taken as not overlapped with compute (an
-  upper bound; FSDP2 overlaps them).
+  upper bound; FSDP2 overlaps them). The optimizer steps on each rank's local shards (FSDP2's
+  parameters are DTensors whose local tensor is the shard), so its state and the step's
+  temporaries (foreach's copies of the state, an fp32 master copy's casts) are the shard's: / W.
 
 FSDP2's gradient sync with more than one micro-batch per window is a choice (``gradient_sync``):
 
@@ -67,6 +69,7 @@ def _shifted(fit: Fit, seconds: float) -> Fit:
 
 
 UNSHARDED_GRADIENTS = "gradients, unsharded (FSDP sync once per window)"
+SHARDED_STEP = "optimizer step temporaries, of the local shards"
 
 
 def interconnect_spec(device: torch.device) -> tuple[DeviceSpec, str]:
@@ -153,6 +156,8 @@ def _fsdp_profile(
         gradient_bytes=gradient_bytes,
         gradient_name=UNSHARDED_GRADIENTS if once else profile.gradient_name,
         optimizer_bytes=math.ceil(profile.optimizer_bytes / world_size),
+        step_peak_bytes=math.ceil(profile.step_peak_bytes / world_size),
+        step_peak_name=SHARDED_STEP,
         slack_bytes=profile.slack_bytes + sum(value for _, value in parts),
         step_seconds=profile.step_seconds + (scatter_seconds if once else 0.0),
         loop_seconds=_shifted(profile.loop_seconds, per_micro_batch),

@@ -172,7 +172,17 @@ def simulated_cuda_autocast() -> Iterator[None]:
         return exit_(self, *exc)
 
     cls.__init__, cls.__enter__, cls.__exit__ = patched_init, patched_enter, patched_exit
+    _active.append(True)
     try:
         yield
     finally:
+        _active.pop()
         cls.__init__, cls.__enter__, cls.__exit__ = init, enter, exit_
+
+
+_active: list[bool] = []
+
+
+def simulating_cuda() -> bool:
+    """Whether a simulation for a CUDA device is running: ``torch.autocast("cuda")`` is honoured."""
+    return bool(_active)
