@@ -90,3 +90,33 @@ def test_fsdp_shards_the_mixed_static_memory(config: str) -> None:
     assert sharded.gradient_bytes == math.ceil(profile.gradient_bytes / W)
     assert sharded.optimizer_bytes == math.ceil(profile.optimizer_bytes / W)
     assert sharded.static_bytes == pytest.approx(profile.static_bytes / W, abs=3)
+
+
+def test_fsdp_mixed_reads_like_fsdp2_mixed_precision_policy(config: str) -> None:
+    setup = ModelSetup(seq_len=32, precision="mixed")
+    workload, autocast = simulate_config_profile(
+        config, setup, H100, max_micro_batch_size=2, policies=["none"]
+    )
+    _, policy = simulate_config_profile(
+        config, setup, H100, max_micro_batch_size=2, policies=["none"], shard="fsdp"
+    )
+    # The same fp32 static memory, and the step's temporaries, from the full fp32 model.
+    assert policy.static_bytes == autocast.static_bytes
+    assert policy.step_peak_bytes == autocast.step_peak_bytes
+    sharded, extras = shard_profile(
+        policy, workload.model, shard="fsdp", world_size=W, spec=H100, gradient_sync="micro-batch"
+    )
+    parts = dict(extras)
+    block = workload.model.model.layers[1]
+    block_parameters = sum(p.numel() for p in block.parameters())
+    # Two blocks' parameters gathered in bf16 (param_dtype), not in their fp32.
+    assert parts["FSDP all-gathered parameters (2 blocks in flight)"] == 2 * 2 * block_parameters
+    # Gradients reduce-scattered in fp32 (reduce_dtype): a block's fp32 gradients, allocator-rounded.
+    block_gradients = 4 * block_parameters
+    tensors = len(list(block.parameters()))
+    assert block_gradients <= parts["FSDP reduce-scatter buffers"] <= block_gradients + 512 * tensors
+    assert sharded.step_peak_bytes == math.ceil(policy.step_peak_bytes / W)
+    # The blocks ran in bf16 without autocast: no cached bf16 copy of every weight kept for backward.
+    kept = sum(segment.costs["none"].kept(2) for segment in policy.blocks)
+    kept_autocast = sum(segment.costs["none"].kept(2) for segment in autocast.blocks)
+    assert kept < kept_autocast

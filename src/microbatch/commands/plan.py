@@ -170,6 +170,7 @@ def _architecture(args: argparse.Namespace, policies: list[str] | None, progress
         max_micro_batch_size=min(per_rank, 16),
         policies=policies,
         progress=progress,
+        shard=args.shard,
     )
 
 

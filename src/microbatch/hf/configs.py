@@ -349,16 +349,23 @@ def simulate_config_profile(
     max_micro_batch_size: int = 16,
     policies: Any = None,
     progress: ProgressFn | None = None,
+    shard: str = "none",
 ) -> tuple[Workload, Profile]:
-    """The full model's Workload and its simulated profile (two layers simulated, see the docstring)."""
+    """The full model's Workload and its simulated profile (two layers simulated, see the docstring).
+
+    ``precision="mixed"`` with ``shard="fsdp"``: the blocks run as FSDP2 with
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` runs them (``fsdp_mixed``).
+    """
     fields = architecture_config(spec)
     layers = layer_count(fields)
     full = config_workload(spec, setup)
-    if layers < 3:
+    fsdp_mixed = shard == "fsdp" and setup.autocast_dtype is not None
+    if layers < 3 and not fsdp_mixed:
         return full, simulate_profile(
             full, device, max_micro_batch_size=max_micro_batch_size, policies=policies, progress=progress
         )
-    small = config_workload(spec, setup, layers=2)
+    run_setup = dataclasses.replace(setup, precision="bf16") if fsdp_mixed else setup
+    small = config_workload(spec, run_setup, layers=2 if layers >= 3 else None)
     profile = simulate_profile(
         small, device, max_micro_batch_size=max_micro_batch_size, policies=policies, progress=progress
     )
@@ -367,8 +374,11 @@ def simulate_config_profile(
         static, step_peak_bytes, step_seconds = static_costs(
             full.model, optimizer, clock, cuda=device.kind == "cuda"
         )
-    profile = repeat_blocks(profile, layers)
-    return full, dataclasses.replace(
+    notes = profile.notes
+    if layers >= 3:
+        profile = repeat_blocks(profile, layers)
+        notes = full_model_notes(profile, layers)
+    profile = dataclasses.replace(
         profile,
         name=full.name,
         parameter_bytes=static.get("parameters", 0),
@@ -376,7 +386,37 @@ def simulate_config_profile(
         optimizer_bytes=static.get("optimizer state", 0),
         step_peak_bytes=step_peak_bytes,
         step_seconds=step_seconds,
-        notes=full_model_notes(profile, layers),
+        notes=notes,
+    )
+    return full, fsdp_mixed_profile(profile) if fsdp_mixed else profile
+
+
+def fsdp_mixed_profile(profile: Profile) -> Profile:
+    """A profile of the blocks run in bf16, as FSDP2's MixedPrecisionPolicy(bf16, fp32) holds them.
+
+    FSDP2 with ``param_dtype=bf16`` all-gathers each block's fp32 shards as bf16 parameters and
+    runs the block in bf16 (no autocast, so no cached bf16 copy of every weight is kept for
+    backward: the gathered parameters are freed after the block, counted by ranks.py as the blocks
+    in flight). With ``reduce_dtype=fp32`` the block's gradients are reduce-scattered, and summed
+    across micro-batches, in fp32 onto the fp32 shards: the segments' gradient bytes, simulated in
+    bf16, are doubled (4 B / 2 B). Parameters, gradients, AdamW state and the step's temporaries
+    come from the full fp32 model.
+    """
+    ratio = torch.finfo(torch.float32).bits // torch.finfo(torch.bfloat16).bits
+    segments = tuple(
+        dataclasses.replace(segment, gradient_bytes=segment.gradient_bytes * ratio)
+        for segment in profile.segments
+    )
+    return dataclasses.replace(
+        profile,
+        segments=segments,
+        gather_itemsize=torch.bfloat16.itemsize,
+        notes=(
+            *profile.notes,
+            "precision mixed under FSDP: the blocks simulated as FSDP2 MixedPrecisionPolicy(param_dtype="
+            "bf16, reduce_dtype=fp32) runs them: bf16 parameters gathered, fp32 shards, gradients and "
+            "AdamW state",
+        ),
     )
 
 
