@@ -138,7 +138,7 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
         help=(
             "architectures: bf16 / fp16 / fp32 parameters, gradients and optimizer state in that dtype; "
             "mixed: fp32 parameters, gradients and optimizer state, forward and backward under bf16 "
-            "autocast (torchtitan, FSDP2 MixedPrecisionPolicy, HF AMP)"
+            "autocast (HF AMP), or with --shard fsdp FSDP2's MixedPrecisionPolicy(bf16, fp32) (torchtitan)"
         ),
     )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (architectures)")
