@@ -3,6 +3,7 @@ parameter), the forward under bf16 autocast; sharded by FSDP as the whole static
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -14,7 +15,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from microbatch.hf.configs import ModelSetup, config_workload, simulate_config_profile
 from microbatch.memory.device_specs import devices
+from microbatch.planner.pipeline_search import FSDP_UNSHARDED, PipelineContext, price
 from microbatch.planner.ranks import shard_profile
+from microbatch.planner.stage_model import balanced_block_cuts, stage_parameters
+from microbatch.planner.windows import WindowSizes
+from microbatch.profile.costs import Profile
 from microbatch.profile.simulate import simulation, static_costs
 
 pytest.importorskip("transformers")
@@ -120,3 +125,30 @@ def test_fsdp_mixed_reads_like_fsdp2_mixed_precision_policy(config: str) -> None
     kept = sum(segment.costs["none"].kept(2) for segment in policy.blocks)
     kept_autocast = sum(segment.costs["none"].kept(2) for segment in autocast.blocks)
     assert kept < kept_autocast
+
+
+def test_pipeline_stages_under_fsdp_mixed_gather_bf16(config: str) -> None:
+    setup = ModelSetup(seq_len=32, precision="mixed")
+    workload, policy = simulate_config_profile(
+        config, setup, H100, max_micro_batch_size=2, policies=["none"], shard="fsdp"
+    )
+    stages, replicas = 2, 4
+    names = [segment.name for segment in policy.blocks]
+
+    def parts(profile: Profile) -> list[dict[str, int]]:
+        ctx = PipelineContext(
+            profile, workload.model, stages, replicas, capacity_bytes=1 << 40, spec=H100, shard="fsdp"
+        )
+        candidate = price(ctx, "gpipe", WindowSizes(4, 2), 2, least=True)
+        assert candidate is not None
+        return [dict(stage) for stage in candidate.stage_parts]
+
+    cuts = tuple(balanced_block_cuts(policy, stages, 2))
+    fp32_bytes = [stage.parameter_bytes for stage in stage_parameters(workload.model, names, cuts)]
+    mixed = parts(policy)
+    own_dtype = parts(dataclasses.replace(policy, gather_itemsize=None))
+    for stage in range(stages):
+        # The stage's fp32 parameters gathered by the MixedPrecisionPolicy in bf16: half their bytes.
+        assert own_dtype[stage][FSDP_UNSHARDED] == fp32_bytes[stage]
+        assert mixed[stage][FSDP_UNSHARDED] == math.ceil(fp32_bytes[stage] / 2)
+        assert mixed[stage]["parameters"] == math.ceil(fp32_bytes[stage] / replicas)  # fp32 shards
