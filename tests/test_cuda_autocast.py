@@ -95,3 +95,19 @@ def test_autocast_is_left_alone_outside_the_simulation() -> None:
     with region:
         assert not torch.is_autocast_enabled("cpu")
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+
+
+def test_code_that_asks_whether_cuda_autocast_is_on_is_told_so() -> None:
+    model, original = nn.Linear(4, 4), torch.is_autocast_enabled
+    with simulation(model, H100):
+        assert not torch.is_autocast_enabled("cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert torch.is_autocast_enabled("cuda") and torch.is_autocast_enabled()
+            assert torch.get_autocast_dtype("cuda") == torch.bfloat16
+            with torch.autocast("cuda"):  # nested without a dtype: the enclosing region's, as on CUDA
+                assert model(torch.empty(2, 4)).dtype == torch.bfloat16
+            with torch.autocast("cuda", enabled=False):
+                assert not torch.is_autocast_enabled("cuda")
+                assert model(torch.empty(2, 4)).dtype == torch.float32
+        assert not torch.is_autocast_enabled("cuda")
+    assert torch.is_autocast_enabled is original  # put back after the simulation

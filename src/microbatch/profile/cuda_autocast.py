@@ -159,28 +159,67 @@ def simulated_cuda_autocast() -> Iterator[None]:
 
     def patched_enter(self: Any) -> Any:
         result = enter(self)
-        if getattr(self, "_simulated_cuda", False) and self._enabled:
-            mode = _CudaFloat32Ops()
-            mode.__enter__()
-            self._simulated_mode = mode
+        if getattr(self, "_simulated_cuda", False):
+            _regions.append(True)
+            if self._enabled:
+                mode = _CudaFloat32Ops()
+                mode.__enter__()
+                self._simulated_mode = mode
         return result
 
     def patched_exit(self: Any, *exc: Any) -> Any:
         mode = self.__dict__.pop("_simulated_mode", None)
         if mode is not None:
             mode.__exit__(*exc)
+        if getattr(self, "_simulated_cuda", False) and _regions:
+            _regions.pop()
         return exit_(self, *exc)
 
     cls.__init__, cls.__enter__, cls.__exit__ = patched_init, patched_enter, patched_exit
     _active.append(True)
     try:
-        yield
+        with _cuda_queries():
+            yield
     finally:
         _active.pop()
         cls.__init__, cls.__enter__, cls.__exit__ = init, enter, exit_
 
 
 _active: list[bool] = []
+_regions: list[bool] = []  # simulated torch.autocast("cuda") regions entered and not yet left
+
+
+@contextlib.contextmanager
+def _cuda_queries() -> Iterator[None]:
+    """``torch.is_autocast_enabled("cuda")`` and the CUDA autocast dtype, inside a simulated CUDA
+    region, answer with the CPU autocast that stands for it (code that checks before it casts)."""
+    is_enabled, get_dtype, get_gpu_dtype = (
+        torch.is_autocast_enabled,
+        torch.get_autocast_dtype,
+        torch.get_autocast_gpu_dtype,
+    )
+
+    def is_autocast_enabled(device_type: str | None = None) -> bool:
+        if device_type in (None, "cuda"):  # no argument: CUDA's (torch's own default)
+            return bool(_regions) and is_enabled("cpu")
+        return is_enabled(device_type)
+
+    def get_autocast_dtype(device_type: str) -> torch.dtype:
+        return get_dtype("cpu" if device_type == "cuda" and _regions else device_type)
+
+    def get_autocast_gpu_dtype() -> torch.dtype:
+        return get_dtype("cpu") if _regions else get_gpu_dtype()
+
+    patched: Any = torch
+    patched.is_autocast_enabled = is_autocast_enabled
+    patched.get_autocast_dtype = get_autocast_dtype
+    patched.get_autocast_gpu_dtype = get_autocast_gpu_dtype
+    try:
+        yield
+    finally:
+        patched.is_autocast_enabled = is_enabled
+        patched.get_autocast_dtype = get_dtype
+        patched.get_autocast_gpu_dtype = get_gpu_dtype
 
 
 def simulating_cuda() -> bool:
