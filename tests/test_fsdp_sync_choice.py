@@ -8,7 +8,7 @@ import pytest
 
 import microbatch as mb
 from microbatch.memory.device_specs import devices
-from microbatch.planner.ranks import UNSHARDED_GRADIENTS, shard_profile
+from microbatch.planner.ranks import SHARDED_STEP, UNSHARDED_GRADIENTS, shard_profile
 from microbatch.planner.rules import SplitRules
 from microbatch.planner.search import search
 from microbatch.planner.sharding import rank_profile
@@ -111,3 +111,18 @@ def test_a_real_fsdp_plan_needs_no_device_spec() -> None:
     assert plan.shard == "fsdp" and plan.trials == 0
     assert any("interconnect not measured" in note for note in plan.notes)
     assert any("no trial in this one process" in note for note in plan.notes)
+
+
+def test_the_optimizer_steps_on_the_local_shards(simulated: tuple[mb.Workload, mb.Profile]) -> None:
+    # FSDP2's optimizer steps on each rank's DTensor shards: its temporaries (AdamW's foreach
+    # copies of all of the rank's exp_avg_sq) are the shard's, a W-th of the whole model's.
+    workload, profile = simulated
+    assert profile.step_peak_bytes > 0
+    for mode in ("window", "micro-batch"):
+        sharded, _ = shard_profile(
+            profile, workload.model, shard="fsdp", world_size=W, spec=devices()["l4"], gradient_sync=mode
+        )
+        assert sharded.step_peak_bytes == math.ceil(profile.step_peak_bytes / W)
+        assert sharded.step_peak_name == SHARDED_STEP
+    ddp, _ = shard_profile(profile, workload.model, shard="ddp", world_size=W, spec=devices()["l4"])
+    assert ddp.step_peak_bytes == profile.step_peak_bytes  # every DDP rank steps on everything

@@ -125,8 +125,9 @@ def test_simulated_cuda_plan_predicts_the_replayed_reserved_peak() -> None:
     # bound (profile/reserved.py): without it, it is the window's replayed peak to the byte.
     assert predicted - overhead == window.peak_reserved_bytes
     assert window.peak_reserved_bytes <= predicted <= window.peak_reserved_bytes + overhead
-    # Rounding matters here: 2 MiB of segments hold a quarter MiB of live tensors.
-    assert window.peak_reserved_bytes >= 8 * tracker.peak_bytes
+    # Rounding matters here: 2 MiB of segments hold under 0.3 MiB of live tensors (the step's
+    # foreach temporaries, all parameters at once as AdamW takes them on CUDA, are the live peak).
+    assert window.peak_reserved_bytes >= 7 * tracker.peak_bytes
     assert any(ALLOCATOR_MODEL in note for note in plan.notes)
 
 

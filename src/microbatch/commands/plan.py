@@ -131,7 +131,16 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
         help="clip gradients to this total norm once per window (the plan is made, and applied, with it)",
     )
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (architectures)")
-    parser.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16", help="parameter dtype")
+    parser.add_argument(
+        "--precision",
+        choices=tuple(PRECISIONS),
+        default="bf16",
+        help=(
+            "architectures: bf16 / fp16 / fp32 parameters, gradients and optimizer state in that dtype; "
+            "mixed: fp32 parameters, gradients and optimizer state, forward and backward under bf16 "
+            "autocast (HF AMP), or with --shard fsdp FSDP2's MixedPrecisionPolicy(bf16, fp32) (torchtitan)"
+        ),
+    )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (architectures)")
     parser.add_argument(
         "--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (needs peft)"
@@ -161,6 +170,7 @@ def _architecture(args: argparse.Namespace, policies: list[str] | None, progress
         max_micro_batch_size=min(per_rank, 16),
         policies=policies,
         progress=progress,
+        shard=args.shard,
     )
 
 

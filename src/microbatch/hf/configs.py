@@ -14,6 +14,7 @@ repeats the later layer's costs for every layer after the first, and measures th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,11 +29,12 @@ from torch import nn
 from ..errors import ConfigError, WorkloadError
 from ..memory.device_specs import DeviceSpec
 from ..planner.plan_checks import read_plan_file
-from ..profile.costs import Profile, SegmentProfile
+from ..profile.costs import Profile
+from ..profile.cuda_autocast import simulating_cuda
 from ..profile.measure import ProgressFn
 from ..profile.simulate import simulate_profile, simulation, static_costs
-from ..profile.timeline import gap_names
 from ..workload import Workload
+from .layer_profiles import fsdp_mixed_profile, full_model_notes, repeat_blocks
 
 _LLAMA = {"model_type": "llama", "rope_theta": 500000.0, "max_position_embeddings": 131072}
 _QWEN = {"model_type": "qwen2", "rope_theta": 1000000.0, "max_position_embeddings": 32768}
@@ -115,7 +117,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
     },
 }
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The parameters' dtype per precision. "mixed" is what torchtitan, FSDP2's MixedPrecisionPolicy
+# and HF AMP train with: float32 parameters, gradients and optimizer state (16 B per parameter
+# with AdamW: 4 + 4 + 8), the forward and backward under bfloat16 autocast.
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "mixed": torch.float32}
+AUTOCAST_DTYPES = {"mixed": torch.bfloat16}
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
 LORA_TARGETS = (
     "q_proj",
@@ -152,6 +158,11 @@ class ModelSetup:
     @property
     def dtype(self) -> torch.dtype:
         return PRECISIONS[self.precision]
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype the loss runs in under autocast ("mixed"), or None: the parameters' own."""
+        return AUTOCAST_DTYPES.get(self.precision)
 
 
 def is_architecture(spec: str) -> bool:
@@ -273,6 +284,14 @@ def _optimizer(name: str) -> Callable[[nn.Module], torch.optim.Optimizer]:
     return make
 
 
+def _autocast(setup: ModelSetup, ids: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """The forward's autocast for ``setup``: CUDA's when simulating a GPU, else the batch's device's."""
+    if setup.autocast_dtype is None:
+        return contextlib.nullcontext()
+    device_type = "cuda" if simulating_cuda() else ids.device.type
+    return torch.autocast(device_type, dtype=setup.autocast_dtype)
+
+
 def config_workload(spec: str, setup: ModelSetup, *, layers: int | None = None) -> Workload:
     """A Workload of the named architecture (or config.json) with fake weights; ``layers`` cuts it."""
     fields = architecture_config(spec)
@@ -287,7 +306,8 @@ def config_workload(spec: str, setup: ModelSetup, *, layers: int | None = None) 
         return {"input_ids": ids, "labels": ids}
 
     def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        output = model(input_ids=batch["input_ids"], labels=batch["labels"])
+        with _autocast(setup, batch["input_ids"]):
+            output = model(input_ids=batch["input_ids"], labels=batch["labels"])
         # The model's loss is the mean over the shifted labels: seq_len - 1 per row.
         return output.loss, int(batch["input_ids"].shape[0]) * (setup.seq_len - 1)
 
@@ -303,24 +323,6 @@ def config_workload(spec: str, setup: ModelSetup, *, layers: int | None = None) 
     )
 
 
-def repeat_blocks(profile: Profile, layers: int) -> Profile:
-    """A profile of two identical blocks extended to ``layers``: the second block's costs repeat."""
-    blocks = profile.blocks
-    if len(blocks) != 2 or layers < 2:
-        raise ConfigError(f"repeat_blocks needs a profile of two blocks and layers >= 2, got {len(blocks)}")
-    before, first, between, second, after = profile.segments
-    stem = second.name.rsplit(".", 1)[0]
-    names = [first.name, *(f"{stem}.{index}" for index in range(1, layers))]
-    gaps = gap_names(names)
-    segments: list[SegmentProfile] = [before]
-    for index, name in enumerate(names):
-        if index:
-            segments.append(dataclasses.replace(between, name=gaps[index]))
-        segments.append(first if index == 0 else dataclasses.replace(second, name=name))
-    segments.append(after)
-    return dataclasses.replace(profile, segments=tuple(segments))
-
-
 def simulate_config_profile(
     spec: str,
     setup: ModelSetup,
@@ -329,16 +331,23 @@ def simulate_config_profile(
     max_micro_batch_size: int = 16,
     policies: Any = None,
     progress: ProgressFn | None = None,
+    shard: str = "none",
 ) -> tuple[Workload, Profile]:
-    """The full model's Workload and its simulated profile (two layers simulated, see the docstring)."""
+    """The full model's Workload and its simulated profile (two layers simulated, see the docstring).
+
+    ``precision="mixed"`` with ``shard="fsdp"``: the blocks run as FSDP2 with
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` runs them (``fsdp_mixed``).
+    """
     fields = architecture_config(spec)
     layers = layer_count(fields)
     full = config_workload(spec, setup)
-    if layers < 3:
+    fsdp_mixed = shard == "fsdp" and setup.autocast_dtype is not None
+    if layers < 3 and not fsdp_mixed:
         return full, simulate_profile(
             full, device, max_micro_batch_size=max_micro_batch_size, policies=policies, progress=progress
         )
-    small = config_workload(spec, setup, layers=2)
+    run_setup = dataclasses.replace(setup, precision="bf16") if fsdp_mixed else setup
+    small = config_workload(spec, run_setup, layers=2 if layers >= 3 else None)
     profile = simulate_profile(
         small, device, max_micro_batch_size=max_micro_batch_size, policies=policies, progress=progress
     )
@@ -347,8 +356,11 @@ def simulate_config_profile(
         static, step_peak_bytes, step_seconds = static_costs(
             full.model, optimizer, clock, cuda=device.kind == "cuda"
         )
-    profile = repeat_blocks(profile, layers)
-    return full, dataclasses.replace(
+    notes = profile.notes
+    if layers >= 3:
+        profile = repeat_blocks(profile, layers)
+        notes = full_model_notes(profile, layers)
+    profile = dataclasses.replace(
         profile,
         name=full.name,
         parameter_bytes=static.get("parameters", 0),
@@ -356,25 +368,6 @@ def simulate_config_profile(
         optimizer_bytes=static.get("optimizer state", 0),
         step_peak_bytes=step_peak_bytes,
         step_seconds=step_seconds,
-        notes=full_model_notes(profile, layers),
+        notes=notes,
     )
-
-
-def full_model_notes(profile: Profile, layers: int) -> tuple[str, ...]:
-    """The notes of a profile simulated on two layers, stated for the whole model.
-
-    blocks='auto' ran on the two-layer model and said so ("picked 2 ... blocks"); the plan is for
-    all ``layers``, so the note names them all and says which were simulated.
-    """
-    blocks = [segment.name for segment in profile.blocks]
-    simulated = (
-        f"{blocks[0]} and {blocks[1]} simulated, the second's costs repeated for the other {layers - 2}"
-    )
-    notes = []
-    for note in profile.notes:
-        if note.startswith("blocks='auto' picked 2 "):
-            kind = note.split()[3]
-            note = f"blocks='auto' picked {layers} {kind} blocks ({blocks[0]} .. {blocks[-1]}); {simulated}"
-            simulated = ""
-        notes.append(note)
-    return (*notes, *([f"{layers} identical layers: {simulated}"] if simulated else []))
+    return full, fsdp_mixed_profile(profile) if fsdp_mixed else profile

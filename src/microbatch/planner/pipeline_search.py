@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..memory.device_specs import DeviceSpec
@@ -162,7 +163,10 @@ def _static_parts(
         ("slack", profile.slack_bytes),
     ]
     if shards > 1:  # torch's stage keeps an FSDP2 stage unsharded from its first backward to the step's end
-        parts.append((FSDP_UNSHARDED, params.parameter_bytes))
+        unsharded = params.parameter_bytes
+        if profile.gather_itemsize:  # MixedPrecisionPolicy (--precision mixed): gathered from fp32 in bf16
+            unsharded = math.ceil(unsharded * profile.gather_itemsize / torch.float32.itemsize)
+        parts.append((FSDP_UNSHARDED, unsharded))
     if ctx.correction(stage):
         parts.append(("trial correction", ctx.correction(stage)))
     return parts, params.trainable_bytes  # gradients unsharded through the pipeline step (torch syncs last)
@@ -208,8 +212,12 @@ def price(
         if choice is None:
             return None
         activations = choice.activation_peak(held_first, held_steady)
+        # The stage's share of the step's temporaries; under FSDP2 those of its local shards (/ R).
         step = math.ceil(
-            profile.step_peak_bytes * params[stage].trainable_bytes / max(1, profile.gradient_bytes)
+            profile.step_peak_bytes
+            * params[stage].trainable_bytes
+            / max(1, profile.gradient_bytes)
+            / (ctx.replicas if ctx.shard == "fsdp" else 1)
         )
         parts = [
             *fixed,

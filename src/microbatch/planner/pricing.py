@@ -232,7 +232,7 @@ class Model:
             if margin:
                 parts[f"safety margin ({self.safety_margin:.0%})"] = margin
         else:
-            parts["optimizer step temporaries"] = profile.step_peak_bytes
+            parts[profile.step_peak_name] = profile.step_peak_bytes
         if profile.slack_bytes:
             parts["slack"] = profile.slack_bytes
         if profile.reserved_overhead(max(sizes)):

@@ -13,7 +13,11 @@ A profile describes one rank running the whole model. Data parallelism changes i
   copies its full gradients into a reduce-scatter buffer and keeps its shard of the result. Time:
   per micro-batch, parameters all-gathered in forward and again in backward and gradients
   reduce-scattered, (W - 1) / W * bytes / link each, taken as not overlapped with compute (an
-  upper bound; FSDP2 overlaps them).
+  upper bound; FSDP2 overlaps them). The optimizer steps on each rank's local shards (FSDP2's
+  parameters are DTensors whose local tensor is the shard), so its state and the step's
+  temporaries (foreach's copies of the state, an fp32 master copy's casts) are the shard's: / W.
+  With a MixedPrecisionPolicy (``Profile.gather_itemsize``, --precision mixed) the gathered
+  parameters, and the all-gathers' bytes, are in its param_dtype.
 
 FSDP2's gradient sync with more than one micro-batch per window is a choice (``gradient_sync``):
 
@@ -50,13 +54,17 @@ from ..profile.roofline import all_gather_seconds, all_reduce_seconds
 from .options import SHARDS
 
 
-def _parameter_bytes(module: nn.Module) -> int:
+def _parameter_bytes(module: nn.Module, floating_itemsize: int | None = None) -> int:
+    """Bytes of the module's parameters (tied ones once); floating ones at ``floating_itemsize``."""
     seen: set[int] = set()
     total = 0
     for parameter in module.parameters():
         if id(parameter) not in seen:
             seen.add(id(parameter))
-            total += parameter.numel() * parameter.element_size()
+            size = parameter.element_size()
+            if floating_itemsize is not None and parameter.is_floating_point():
+                size = floating_itemsize
+            total += parameter.numel() * size
     return total
 
 
@@ -67,6 +75,7 @@ def _shifted(fit: Fit, seconds: float) -> Fit:
 
 
 UNSHARDED_GRADIENTS = "gradients, unsharded (FSDP sync once per window)"
+SHARDED_STEP = "optimizer step temporaries, of the local shards"
 
 
 def interconnect_spec(device: torch.device) -> tuple[DeviceSpec, str]:
@@ -121,14 +130,16 @@ def _fsdp_profile(
 ) -> tuple[Profile, tuple[tuple[str, int], ...]]:
     """FSDP2's per-rank profile (the module docstring's parts) in either gradient sync mode."""
     modules = dict(model.named_modules())
-    block_bytes = [_parameter_bytes(modules[s.name]) for s in profile.blocks if s.name in modules]
+    itemsize = profile.gather_itemsize  # MixedPrecisionPolicy(param_dtype=bf16): gathered in bf16
+    block_bytes = [_parameter_bytes(modules[s.name], itemsize) for s in profile.blocks if s.name in modules]
     block_gradients = [segment.gradient_bytes for segment in profile.blocks]
-    total_parameters = _parameter_bytes(model)
+    total_parameters = _parameter_bytes(model, itemsize)
     root_bytes = max(0, total_parameters - sum(block_bytes))
     largest = max(block_bytes, default=0)
     parts = (
         ("FSDP all-gathered parameters (2 blocks in flight)", 2 * largest),
-        ("FSDP root parameters, gathered", root_bytes - root_bytes // world_size),
+        # Gathered as a copy beside the rank's shard in another dtype; else the shard is a part of it.
+        ("FSDP root parameters, gathered", root_bytes if itemsize else root_bytes - root_bytes // world_size),
         ("FSDP reduce-scatter buffers", max(block_gradients, default=0)),
     )
     gather_seconds = 2 * all_gather_seconds(total_parameters, world_size, spec)
@@ -154,6 +165,8 @@ def _fsdp_profile(
         gradient_bytes=gradient_bytes,
         gradient_name=UNSHARDED_GRADIENTS if once else profile.gradient_name,
         optimizer_bytes=math.ceil(profile.optimizer_bytes / world_size),
+        step_peak_bytes=math.ceil(profile.step_peak_bytes / world_size),
+        step_peak_name=SHARDED_STEP,
         slack_bytes=profile.slack_bytes + sum(value for _, value in parts),
         step_seconds=profile.step_seconds + (scatter_seconds if once else 0.0),
         loop_seconds=_shifted(profile.loop_seconds, per_micro_batch),

@@ -27,7 +27,7 @@ def static_message(profile: Profile, budget_bytes: int) -> str | None:
     exceed = (
         "already exceed"
         if total > budget_bytes
-        else (f"plus the optimizer step's temporaries {format_bytes(profile.step_peak_bytes)} exceed")
+        else (f"plus the {profile.step_peak_name} {format_bytes(profile.step_peak_bytes)} exceed")
     )
     return (
         f"{terms} = {format_bytes(total)} {exceed} the budget memory={format_bytes(budget_bytes)}; "

@@ -92,7 +92,10 @@ def rank_profile(
             bytes_per_sample=bytes_per_sample,
             **rules.search_options(),
         ).best
-        key = (best is None, best.seconds_per_step if best else math.inf, best.peak_bytes if best else 0)
+        # Seconds to 9 significant digits: with one micro-batch per window both modes price the
+        # same run, summed in another order (the reduce-scatter in the step or in the loop).
+        seconds = float(f"{best.seconds_per_step:.9g}") if best else math.inf
+        key = (best is None, seconds, best.peak_bytes if best else 0)
         options.append((key, mode == "window", changed, extras, mode))
     # Fits first, then faster, then smaller; with nothing fitting, the sharded-gradient profile.
     options.sort(

@@ -243,6 +243,11 @@ class Profile:
     clock: str = "wall"
     # The gradients' name in the peak's parts (the planner names FSDP's unsharded gradients).
     gradient_name: str = "gradients"
+    # The step's temporaries' name in the peak's parts (the planner names FSDP's per-shard step).
+    step_peak_name: str = "optimizer step temporaries"
+    # Bytes per element of the floating parameters FSDP all-gathers (FSDP2 MixedPrecisionPolicy's
+    # param_dtype: 2 for bf16), or None: their own dtype's.
+    gather_itemsize: int | None = None
 
     def reserved_overhead(self, micro_batch_size: float) -> int:
         """Bytes the caching allocator reserves beyond the live tensors at ``micro_batch_size`` (0 off

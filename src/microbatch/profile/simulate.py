@@ -19,7 +19,9 @@ sequence is replayed through ``microbatch.memory.allocator`` (block rounding, sm
 segment sizes, splitting and fragmentation; ``expandable_segments`` when PYTORCH_CUDA_ALLOC_CONF
 sets it), and the profile carries reserved minus live bytes (profile/reserved.py), so a plan's
 predicted peak is reserved bytes. The CUDA context and the library workspaces, which the allocator
-does not see, are the spec's ``context_bytes``, added as slack.
+does not see, are the spec's ``context_bytes``, added as slack. Where a library picks its path by
+the tensors' device (kernels, the optimizer's foreach, transformers' masks), a CUDA target takes
+the path CUDA takes (profile/device_path.py).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map
 
@@ -47,6 +48,7 @@ from ..workload import Workload
 from . import reserved
 from .assemble import Measurements, assemble, gradient_bytes_by_segment
 from .costs import NONE, Profile
+from .device_path import cuda_path
 from .measure import ProgressFn, _blocks_and_policies, default_micro_batch_sizes
 from .roofline import RooflineClock
 from .runs import train_window
@@ -75,43 +77,6 @@ class _FakeScalars(TorchDispatchMode):
                 return max(1, tensor.numel())
             return 1.0
         return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def _cuda_kernels() -> Iterator[None]:
-    """Dropout and attention as CUDA runs them, for the ``with`` block.
-
-    The fake tensors claim to be on the CPU, whose kernels keep other things for backward:
-
-    - ``F.dropout`` on the CPU multiplies by a mask in the input's dtype and saves it (2 bytes per
-      element in 16-bit); CUDA's fused kernel (``torch.native_dropout``, what its dropout
-      dispatches to) saves a 1-byte boolean mask.
-    - ``F.scaled_dot_product_attention`` with dropout falls back on the CPU to the math path, which
-      keeps the attention matrix; CUDA's flash and memory-efficient kernels keep only the output,
-      the log-sum-exp and the RNG state, as the CPU's flash kernel does without dropout.
-
-    The functions are swapped in ``torch.nn.functional`` (a checkpoint's recompute sees them too).
-    """
-    dropout, attention = F.dropout, F.scaled_dot_product_attention
-
-    def fused_dropout(
-        input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
-    ) -> Any:
-        if training and 0 < p < 1 and not inplace:
-            return torch.native_dropout(input, p, True)[0]
-        return dropout(input, p, training, inplace)
-
-    def flash_attention(*args: Any, **kwargs: Any) -> Any:
-        if len(args) > 4:
-            args = (*args[:4], 0.0, *args[5:])
-        kwargs.pop("dropout_p", None)
-        return attention(*args, **kwargs)
-
-    F.dropout, F.scaled_dot_product_attention = fused_dropout, flash_attention
-    try:
-        yield
-    finally:
-        F.dropout, F.scaled_dot_product_attention = dropout, attention
 
 
 class SimulatedTracker(MemoryTracker):
@@ -197,8 +162,8 @@ def simulation(
     """Fake tensors for ``model``, fake scalars and the roofline clock, for the ``with`` block."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     clock = RooflineClock(spec, tf32=tf32)
-    kernels = _cuda_kernels() if spec.kind == "cuda" else contextlib.nullcontext()
-    with fake_model(model, mode), mode, _FakeScalars(), clock, kernels:
+    device_path = cuda_path() if spec.kind == "cuda" else contextlib.nullcontext()
+    with fake_model(model, mode), mode, _FakeScalars(), clock, device_path:
         yield mode, clock
 
 
