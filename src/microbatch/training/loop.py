@@ -29,6 +29,7 @@ import torch
 
 from .. import distributed
 from ..accumulate.accumulator import WindowStats
+from ..distributed import decided_on_rank_zero
 from ..errors import TrainingError, WorkloadError
 from ..memory import MemoryTracker
 from ..memory.oom import free_memory, is_out_of_memory
@@ -36,7 +37,6 @@ from ..models.workloads import gpt_loss
 from ..trees.batches import batch_size_of, move_batch, split_batch
 from . import pipelined
 from .plan import plan_without, planning_workload
-from .ranks import on_rank_zero
 from .report import StepReport
 from .run_folder import METRICS_FILE, append_line
 from .session import Session, accumulator, release_plan, save, storage_error, use_plan
@@ -248,7 +248,9 @@ def _recover(session: Session, start: dict[str, Any]) -> None:
     save(session)
     release_plan(session)
     workload = planning_workload(session.config, session.raw_model, session.documents, session.device)
-    new_plan = on_rank_zero(lambda: plan_without(session.config, workload, failed))
+    new_plan = decided_on_rank_zero(
+        lambda: plan_without(session.config, workload, failed), what="re-planning"
+    )
     use_plan(session, new_plan)
     accumulator(session).load_state_dict(start["accumulator"])
     save(session)

@@ -23,7 +23,6 @@ from . import pipelined
 from .config import TrainConfig, validate_config
 from .loop import Outcome, run_windows
 from .plan import PlanProgress, plan_for_run, planning_workload, resolve_device
-from .ranks import on_rank_zero
 from .report import StepReport, TrainSummary, whole_run_totals
 from .run_folder import (
     CHECKPOINT_FILE,
@@ -105,14 +104,15 @@ def _start_session(
     if config.pipeline > 1:  # the same plan on every rank: manual, loaded, or planned on the ranks
         plan = pipelined.pipeline_plan(config, workload, device, start, plan_progress)
     else:
-        plan = on_rank_zero(
+        plan = distributed.decided_on_rank_zero(
             lambda: plan_for_run(
                 config,
                 workload,
                 saved=start.saved_plan,
                 saved_config=start.saved_config,
                 progress=plan_progress,
-            )
+            ),
+            what="planning",
         )
     raw_model.zero_grad(set_to_none=True)
     session = build_session(config, run_dir=start.run_dir, device=device, raw_model=raw_model, plan=plan)

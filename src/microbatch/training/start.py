@@ -13,11 +13,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .. import distributed
+from ..distributed import decided_on_rank_zero
 from ..errors import ConfigError, ResumeError
 from ..planner import Plan
 from .config import RESUMABLE_CHANGES, TrainConfig
 from .ownership import FolderClaim, claim_new_folder, claim_resumed_folder, default_run_dir
-from .ranks import on_rank_zero
 from .run_folder import (
     CHECKPOINT_FILE,
     METRICS_FILE,
@@ -48,11 +48,13 @@ class RunStart:
 
 def open_run(config: TrainConfig) -> RunStart:
     """The new run's folder (checked), or the resumed run's checkpoint (checked against ``config``)."""
-    claims: list[FolderClaim] = []  # rank 0's claim (on_rank_zero broadcasts the folder's name only)
+    claims: list[FolderClaim] = []  # rank 0's claim (decided_on_rank_zero broadcasts the folder's name only)
     if not config.resume:
-        run_dir = on_rank_zero(lambda: _claim_new_run(config, claims))
+        run_dir = decided_on_rank_zero(lambda: _claim_new_run(config, claims), what="naming the run folder")
         return RunStart(run_dir=run_dir, claim=claims[0] if claims else None)
-    run_dir = on_rank_zero(lambda: _claim_resumed_run(config, claims))
+    run_dir = decided_on_rank_zero(
+        lambda: _claim_resumed_run(config, claims), what="finding the run to resume"
+    )
     path = os.path.join(run_dir, CHECKPOINT_FILE)
     try:
         start = _resumed_start(config, run_dir, path, claims[0] if claims else None)
