@@ -13,9 +13,12 @@ fits, for a choice o (one policy per block):
 (solve.py defines P_k and the activation term). G_k is the gradient memory live while segment k
 runs: all gradients from a window's second micro-batch on (the earlier ones created them); in
 its first, only those of the segments after k (backward creates them in reverse order; k's own
-are in its measured peak). The first micro-batch also differs in that a checkpoint may keep more
-on its first call (selective learns what to skip in its first recompute). So a choice is priced
-in both phases (Model.price), and its chain peak is the larger.
+are in its measured peak). Gradients held between windows (FSDP2's shards, planner/ranks.py)
+are live under every micro-batch, as the parameters are: G_k = 0, and they join the bytes
+under the chain (outside the safety margin, a share of the chain's peak). The first micro-batch
+also differs in that a checkpoint may keep more on its first call (selective learns what to
+skip in its first recompute). So a choice is priced in both phases (Model.price), and its chain
+peak is the larger.
 
 (search.py searches over this model.)
 """
@@ -100,6 +103,8 @@ class Model:
 
     def _gradient_terms(self, steps: int) -> list[int]:
         segments = self.profile.segments
+        if self.profile.gradients_held:
+            return [0] * len(segments)  # under every micro-batch: in fixed_bytes, like the parameters
         if steps >= 2:
             return [self.profile.gradient_bytes] * len(segments)
         # G_k = gradients of the segments after k: their backwards, which ran before k's, created them.
@@ -181,10 +186,12 @@ class Model:
         return total
 
     def fixed_bytes(self, sizes: Sequence[int]) -> int:
-        """Bytes live under the activations: parameters, optimizer state, the batches, the correction."""
+        """Bytes live under the activations: parameters, optimizer state, the batches, the correction
+        (and the gradients when the profile holds them between windows)."""
         profile = self.profile
         return (
             profile.parameter_bytes
+            + (profile.gradient_bytes if profile.gradients_held else 0)
             + profile.optimizer_bytes
             + self.batch_bytes(sizes)
             + profile.slack_bytes
