@@ -230,6 +230,9 @@ class Model:
         chain_bytes = self.activation_bytes(chain_peak)
         parts = {**profile.static_parts(), "batch and loop": self.batch_bytes(sizes)}
         if fixed + chain_bytes >= self.step_bytes(sizes):
+            # The gradients named are those live at the chain's peak (in a window's first
+            # micro-batch, at the top of its backward, none may be yet), not all of them.
+            parts[profile.gradient_name] = self._gradients_at_peak(sizes, choice, len(sizes))
             margin = chain_bytes - chain_peak
             # The chain's peak holds the gradients that are live then; the rest of it is activations.
             # (fixed holds the slack and the correction too: they are parts of their own below)
@@ -258,6 +261,22 @@ class Model:
             seconds_per_step=self.base_seconds(sizes) + steady.extra_seconds,
             parts=tuple(parts.items()),
         )
+
+    def _gradients_at_peak(self, sizes: Sequence[int], choice: Sequence[int], steps: int) -> int:
+        """The gradient bytes live where the chain peaks: G_k of the segment and phase that set it."""
+        if self.profile.gradients_held:
+            return self.profile.gradient_bytes  # in fixed_bytes, under every micro-batch
+        best = (-1.0, 0)
+        for phase, window_steps in ((STEADY, steps), (FIRST, 1)):
+            terms = self._gradient_terms(window_steps)
+            chain = self.chain(sizes, phase=phase)
+            options = [segment.options[index] for segment, index in zip(chain, choice, strict=True)]
+            kept = 0
+            for option, gradients in zip(options, terms, strict=True):
+                # The chain's own sum (costs.chain_peak): the first segment to reach the peak sets it.
+                best = max(best, (float(kept + option.peak_bytes), gradients), key=lambda pair: pair[0])
+                kept += option.kept_bytes
+        return best[1]
 
     def evaluate(self, sizes: Sequence[int], policies: dict[str, str]) -> Candidate:
         """The model's peak and time for given sizes and block policies (blocks not named: none)."""

@@ -30,7 +30,8 @@ them: every micro-batch, a window's first too, runs with the G / W under it
 out, the first micro-batch's peak (at the top of its backward, where no gradient of this window
 exists yet) did not hold them while the plan's parts named G / W, so its activations, the peak
 less the sharded parts, grew with W: by G (1/8 - 1/128) from 8 ranks to 128, 3.5 GiB for Llama
-3.1 8B's fp32 gradients.
+3.1 8B's fp32 gradients. Only where the profile models the CUDA caching allocator (its
+``reserved_overhead_bytes``): off CUDA the peak is of live tensors, and freed shards are gone.
 
 FSDP2's gradient sync with more than one micro-batch per window is a choice (``gradient_sync``):
 
@@ -163,8 +164,10 @@ def _fsdp_profile(
     per_micro_batch = gather_seconds + (0.0 if once else scatter_seconds)
     segments, gradient_bytes = profile.segments, profile.gradient_bytes  # "window": unsharded
     shard_bytes = math.ceil(profile.gradient_bytes / world_size)
+    pooled = profile.reserved_overhead_bytes is not None  # the caching allocator's pools: CUDA
     if once:
-        parts = (*parts, (HELD_SHARDS, shard_bytes))
+        if pooled:
+            parts = (*parts, (HELD_SHARDS, shard_bytes))
     else:
         segments = tuple(
             dataclasses.replace(segment, gradient_bytes=math.ceil(segment.gradient_bytes / world_size))
@@ -182,7 +185,7 @@ def _fsdp_profile(
         parameter_bytes=math.ceil(profile.parameter_bytes / world_size),
         gradient_bytes=gradient_bytes,
         gradient_name=UNSHARDED_GRADIENTS if once else profile.gradient_name,
-        gradients_held=not once,  # the shards (see the module docstring); "window": a part above
+        gradients_held=pooled and not once,  # the shards (the module docstring); "window": a part
         optimizer_bytes=math.ceil(profile.optimizer_bytes / world_size),
         step_peak_bytes=math.ceil(profile.step_peak_bytes / world_size),
         step_peak_name=SHARDED_STEP,
