@@ -13,9 +13,12 @@ fits, for a choice o (one policy per block):
 (solve.py defines P_k and the activation term). G_k is the gradient memory live while segment k
 runs: all gradients from a window's second micro-batch on (the earlier ones created them); in
 its first, only those of the segments after k (backward creates them in reverse order; k's own
-are in its measured peak). The first micro-batch also differs in that a checkpoint may keep more
-on its first call (selective learns what to skip in its first recompute). So a choice is priced
-in both phases (Model.price), and its chain peak is the larger.
+are in its measured peak). Gradients held between windows (FSDP2's shards, planner/ranks.py)
+are live under every micro-batch, as the parameters are: G_k = 0, and they join the bytes
+under the chain (outside the safety margin, a share of the chain's peak). The first micro-batch
+also differs in that a checkpoint may keep more on its first call (selective learns what to
+skip in its first recompute). So a choice is priced in both phases (Model.price), and its chain
+peak is the larger.
 
 (search.py searches over this model.)
 """
@@ -100,6 +103,8 @@ class Model:
 
     def _gradient_terms(self, steps: int) -> list[int]:
         segments = self.profile.segments
+        if self.profile.gradients_held:
+            return [0] * len(segments)  # under every micro-batch: in fixed_bytes, like the parameters
         if steps >= 2:
             return [self.profile.gradient_bytes] * len(segments)
         # G_k = gradients of the segments after k: their backwards, which ran before k's, created them.
@@ -181,10 +186,12 @@ class Model:
         return total
 
     def fixed_bytes(self, sizes: Sequence[int]) -> int:
-        """Bytes live under the activations: parameters, optimizer state, the batches, the correction."""
+        """Bytes live under the activations: parameters, optimizer state, the batches, the correction
+        (and the gradients when the profile holds them between windows)."""
         profile = self.profile
         return (
             profile.parameter_bytes
+            + (profile.gradient_bytes if profile.gradients_held else 0)
             + profile.optimizer_bytes
             + self.batch_bytes(sizes)
             + profile.slack_bytes
@@ -223,6 +230,9 @@ class Model:
         chain_bytes = self.activation_bytes(chain_peak)
         parts = {**profile.static_parts(), "batch and loop": self.batch_bytes(sizes)}
         if fixed + chain_bytes >= self.step_bytes(sizes):
+            # The gradients named are those live at the chain's peak (in a window's first
+            # micro-batch, at the top of its backward, none may be yet), not all of them.
+            parts[profile.gradient_name] = self._gradients_at_peak(sizes, choice, len(sizes))
             margin = chain_bytes - chain_peak
             # The chain's peak holds the gradients that are live then; the rest of it is activations.
             # (fixed holds the slack and the correction too: they are parts of their own below)
@@ -251,6 +261,22 @@ class Model:
             seconds_per_step=self.base_seconds(sizes) + steady.extra_seconds,
             parts=tuple(parts.items()),
         )
+
+    def _gradients_at_peak(self, sizes: Sequence[int], choice: Sequence[int], steps: int) -> int:
+        """The gradient bytes live where the chain peaks: G_k of the segment and phase that set it."""
+        if self.profile.gradients_held:
+            return self.profile.gradient_bytes  # in fixed_bytes, under every micro-batch
+        best = (-1.0, 0)
+        for phase, window_steps in ((STEADY, steps), (FIRST, 1)):
+            terms = self._gradient_terms(window_steps)
+            chain = self.chain(sizes, phase=phase)
+            options = [segment.options[index] for segment, index in zip(chain, choice, strict=True)]
+            kept = 0
+            for option, gradients in zip(options, terms, strict=True):
+                # The chain's own sum (costs.chain_peak): the first segment to reach the peak sets it.
+                best = max(best, (float(kept + option.peak_bytes), gradients), key=lambda pair: pair[0])
+                kept += option.kept_bytes
+        return best[1]
 
     def evaluate(self, sizes: Sequence[int], policies: dict[str, str]) -> Candidate:
         """The model's peak and time for given sizes and block policies (blocks not named: none)."""

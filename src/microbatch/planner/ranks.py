@@ -19,6 +19,20 @@ A profile describes one rank running the whole model. Data parallelism changes i
   With a MixedPrecisionPolicy (``Profile.gather_itemsize``, --precision mixed) the gathered
   parameters, and the all-gathers' bytes, are in its param_dtype.
 
+FSDP2's gradient shards are held between windows. Each group's reduce-scatter output is allocated
+in the reduce-scatter stream and the parameters' sharded gradients are views of it (torch's
+distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_reduce: "the GPU sharded gradient is
+allocated in the RS stream"). The caching allocator returns a freed block to the pool of the
+stream that allocated it, so after ``zero_grad(set_to_none=True)`` the shards' G / W bytes stay
+reserved for the next window's reduce-scatters, and the default stream's activations cannot use
+them: every micro-batch, a window's first too, runs with the G / W under it
+(``Profile.gradients_held``; unsharded, the freed gradients' blocks serve the next forward). Left
+out, the first micro-batch's peak (at the top of its backward, where no gradient of this window
+exists yet) did not hold them while the plan's parts named G / W, so its activations, the peak
+less the sharded parts, grew with W: by G (1/8 - 1/128) from 8 ranks to 128, 3.5 GiB for Llama
+3.1 8B's fp32 gradients. Only where the profile models the CUDA caching allocator (its
+``reserved_overhead_bytes``): off CUDA the peak is of live tensors, and freed shards are gone.
+
 FSDP2's gradient sync with more than one micro-batch per window is a choice (``gradient_sync``):
 
 - ``"micro-batch"``: every backward reduce-scatters (the Accumulator's sync_every_micro_batch):
@@ -28,7 +42,8 @@ FSDP2's gradient sync with more than one micro-batch per window is a choice (``g
   no_sync): G per rank, growing block by block in the first backward exactly as without sharding,
   so the gradients keep their unsharded profile and carry their own name in the peak. The
   reduce-scatter runs once per window (counted in the step's time). The step after it holds the
-  shards only, so its peak is over-counted by G (1 - 1/W): conservative.
+  shards only, so its peak is over-counted by G (1 - 1/W): conservative. The shards' pool, held
+  from the last window (above), is a part of its own beside the unsharded gradients.
 
 With no device spec (a real profile here), the interconnect is this device's preset (the CPU's
 gloo figure; the GPU's preset when its name matches one; else PCIe 4.0 x16), named in a note.
@@ -75,6 +90,7 @@ def _shifted(fit: Fit, seconds: float) -> Fit:
 
 
 UNSHARDED_GRADIENTS = "gradients, unsharded (FSDP sync once per window)"
+HELD_SHARDS = "FSDP gradient shards, held in the reduce-scatter stream's pool"
 SHARDED_STEP = "optimizer step temporaries, of the local shards"
 
 
@@ -136,7 +152,7 @@ def _fsdp_profile(
     total_parameters = _parameter_bytes(model, itemsize)
     root_bytes = max(0, total_parameters - sum(block_bytes))
     largest = max(block_bytes, default=0)
-    parts = (
+    parts: tuple[tuple[str, int], ...] = (
         ("FSDP all-gathered parameters (2 blocks in flight)", 2 * largest),
         # Gathered as a copy beside the rank's shard in another dtype; else the shard is a part of it.
         ("FSDP root parameters, gathered", root_bytes if itemsize else root_bytes - root_bytes // world_size),
@@ -147,12 +163,17 @@ def _fsdp_profile(
     once = gradient_sync == "window"
     per_micro_batch = gather_seconds + (0.0 if once else scatter_seconds)
     segments, gradient_bytes = profile.segments, profile.gradient_bytes  # "window": unsharded
-    if not once:
+    shard_bytes = math.ceil(profile.gradient_bytes / world_size)
+    pooled = profile.reserved_overhead_bytes is not None  # the caching allocator's pools: CUDA
+    if once:
+        if pooled:
+            parts = (*parts, (HELD_SHARDS, shard_bytes))
+    else:
         segments = tuple(
             dataclasses.replace(segment, gradient_bytes=math.ceil(segment.gradient_bytes / world_size))
             for segment in profile.segments
         )
-        gradient_bytes = math.ceil(profile.gradient_bytes / world_size)
+        gradient_bytes = shard_bytes
     sync = (
         f"gradients unsharded through the window, reduce-scattered once ({scatter_seconds:.3g} s per step)"
         if once
@@ -164,6 +185,7 @@ def _fsdp_profile(
         parameter_bytes=math.ceil(profile.parameter_bytes / world_size),
         gradient_bytes=gradient_bytes,
         gradient_name=UNSHARDED_GRADIENTS if once else profile.gradient_name,
+        gradients_held=pooled and not once,  # the shards (the module docstring); "window": a part
         optimizer_bytes=math.ceil(profile.optimizer_bytes / world_size),
         step_peak_bytes=math.ceil(profile.step_peak_bytes / world_size),
         step_peak_name=SHARDED_STEP,

@@ -248,6 +248,9 @@ class Profile:
     # Bytes per element of the floating parameters FSDP all-gathers (FSDP2 MixedPrecisionPolicy's
     # param_dtype: 2 for bf16), or None: their own dtype's.
     gather_itemsize: int | None = None
+    # True when the gradients' bytes stay held between windows, so that even a window's first
+    # micro-batch runs with all of them under it (FSDP2's gradient shards: planner/ranks.py).
+    gradients_held: bool = False
 
     def reserved_overhead(self, micro_batch_size: float) -> int:
         """Bytes the caching allocator reserves beyond the live tensors at ``micro_batch_size`` (0 off
