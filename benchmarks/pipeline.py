@@ -351,7 +351,8 @@ def _planned_lines(report: dict[str, Any]) -> list[str]:
     errors = [abs(float(r[6].split("(")[1].split(" ")[0])) for r in rows]
     return [
         "Planned: `mb.plan(workload, batch=32 (64 on 4 ranks), memory=M, pipeline=2)` called on every rank "
-        "(rank 0 profiles and searches; every rank proves its own stage in the trial window). 4 ranks are "
+        "(every rank profiles at once and rank 0 searches on its own profile; every rank proves its own "
+        "stage in the trial window). 4 ranks are "
         "2 data-parallel replicas x 2 stages; a stage's measured peak is its worse replica's.",
         "",
         results.markdown_table(

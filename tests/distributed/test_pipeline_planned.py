@@ -1,6 +1,6 @@
 """mb.plan(..., pipeline=2) on 2 gloo ranks, and checkpointing and bf16 autocast inside pipeline stages.
 
-Planned: every rank calls mb.plan; rank 0 profiles and searches, each rank proves its own stage in a
+Planned: every rank calls mb.plan; every rank profiles, rank 0 searches, each rank proves its own stage in a
 trial window under a MemoryTracker. For each budget: every stage's measured peak is within the
 budget and within 10 % of its predicted peak, and the plan's own pipeline (its cuts, schedule,
 micro-batches, checkpointing) gives, on float64 data of the plan's split with micro-batches of very

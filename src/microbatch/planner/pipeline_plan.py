@@ -163,6 +163,15 @@ def output_bytes_per_sample(workload: Workload, spec: DeviceSpec | None) -> int:
     return captured[0] if captured else 0
 
 
+def measured_profile(request: PlanRequest) -> Profile:
+    """The profile ``prepare`` would measure for ``request`` (the eager workload, the per-replica batch)."""
+    workload = load_workload(request.workload) if isinstance(request.workload, str) else request.workload
+    workload, _ = eager_workload(workload)
+    _, replicas = ranks_of(request)
+    spec = resolve_target(workload, request.options.device, request.options.simulate)
+    return _profile(request, workload, spec, validate_batch(request.batch, replicas))
+
+
 def _profile(request: PlanRequest, workload: Workload, spec: DeviceSpec | None, rows: int) -> Profile:
     """The profile; on a CPU with one torch thread (each rank of a gloo launch) on the CPU clock,
     which other jobs on the machine do not slow down (profile/clocks.py)."""

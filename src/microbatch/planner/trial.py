@@ -134,7 +134,7 @@ def plan(
 
     ``pipeline=S``: the model cut into S stages (planner/pipeline_plan.py): ``world_size`` is every
     rank (W / S data-parallel replicas). Under torchrun with those W ranks every rank calls plan():
-    rank 0 profiles and searches, every rank proves its own stage in a trial window
+    every rank profiles, rank 0 searches, every rank proves its own stage in a trial window
     (planner/pipeline_trial.py); elsewhere the plan is predicted only. Build the stages with
     ``plan.pipeline(model, example=..., loss_fn=...)``.
     """

@@ -51,7 +51,7 @@ def pipeline_plan(
 
     A resumed run keeps its saved plan unless --memory or --plan changed. --plan FILE: a saved pipeline
     plan, proved on the ranks (each its own stage) unless --no-trial. --memory without --micro-batch:
-    the planner (every rank calls it: rank 0 profiles and searches, every rank proves its stage).
+    the planner (every rank calls it: every rank profiles, rank 0 searches, every rank proves its stage).
     Otherwise the manual split: --micro-batch, or batch / R / (2 S) sequences (m = 2S micro-batches
     per step, a bubble of (S - 1) / (m + S - 1), about a third), --checkpoint-policy on every block.
     """
