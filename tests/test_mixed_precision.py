@@ -58,8 +58,11 @@ class _MatmulDtypes(TorchDispatchMode):
         return out
 
 
-def test_mixed_keeps_16_bytes_per_parameter_and_computes_in_bf16(config: str) -> None:
-    workload = config_workload(config, ModelSetup(seq_len=32, precision="mixed"))
+@pytest.mark.parametrize(("precision", "compute"), [("mixed", torch.bfloat16), ("mixed-fp16", torch.float16)])
+def test_mixed_keeps_16_bytes_per_parameter_and_computes_in_16_bits(
+    config: str, precision: str, compute: torch.dtype
+) -> None:
+    workload = config_workload(config, ModelSetup(seq_len=32, precision=precision))
     model = workload.model
     count = sum(p.numel() for p in model.parameters())
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())  # RoPE's inv_freq
@@ -72,7 +75,7 @@ def test_mixed_keeps_16_bytes_per_parameter_and_computes_in_bf16(config: str) ->
     assert static["parameters"] == 4 * count + buffer_bytes
     assert static["gradients"] == 4 * count
     assert static["optimizer state"] == 8 * count + 4 * len(list(model.parameters()))  # + fp32 steps
-    assert seen.dtypes == {torch.bfloat16}  # the forward's matmuls under CUDA bf16 autocast
+    assert seen.dtypes == {compute}  # the forward's matmuls under CUDA autocast in the mode's dtype
     pure = config_workload(config, ModelSetup(seq_len=32, precision="bf16"))
     with simulation(pure.model, H100) as (_, clock):
         pure_static, _, _ = static_costs(pure.model, pure.make_optimizer(), clock, cuda=False)

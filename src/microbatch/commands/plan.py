@@ -138,7 +138,8 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
         help=(
             "architectures: bf16 / fp16 / fp32 parameters, gradients and optimizer state in that dtype; "
             "mixed: fp32 parameters, gradients and optimizer state, forward and backward under bf16 "
-            "autocast (HF AMP), or with --shard fsdp FSDP2's MixedPrecisionPolicy(bf16, fp32) (torchtitan)"
+            "autocast (HF AMP), or with --shard fsdp FSDP2's MixedPrecisionPolicy(bf16, fp32) (torchtitan); "
+            "mixed-fp16: the same in fp16 (AMP without bf16, e.g. V100)"
         ),
     )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (architectures)")

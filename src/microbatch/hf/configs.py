@@ -120,8 +120,19 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 # The parameters' dtype per precision. "mixed" is what torchtitan, FSDP2's MixedPrecisionPolicy
 # and HF AMP train with: float32 parameters, gradients and optimizer state (16 B per parameter
 # with AdamW: 4 + 4 + 8), the forward and backward under bfloat16 autocast.
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "mixed": torch.float32}
-AUTOCAST_DTYPES = {"mixed": torch.bfloat16}
+# "mixed": fp32 parameters, gradients and optimizer state, the forward under bf16 autocast (torchtitan,
+# FSDP2 MixedPrecisionPolicy, HF AMP in bf16); "mixed-fp16" the same in fp16 (AMP on GPUs without
+# bf16, such as the V100; its GradScaler's unscale and inf checks are not simulated).
+PRECISIONS = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "mixed": torch.float32,
+    "mixed-fp16": torch.float32,
+}
+AUTOCAST_DTYPES = {"mixed": torch.bfloat16, "mixed-fp16": torch.float16}
+# What FSDP2 runs the gathered blocks in under each mixed mode (its MixedPrecisionPolicy.param_dtype).
+GATHERED_PRECISIONS = {"mixed": "bf16", "mixed-fp16": "fp16"}
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
 LORA_TARGETS = (
     "q_proj",
@@ -161,7 +172,7 @@ class ModelSetup:
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
-        """The dtype the loss runs in under autocast ("mixed"), or None: the parameters' own."""
+        """The dtype the loss runs in under autocast ("mixed", "mixed-fp16"), or None: the parameters' own."""
         return AUTOCAST_DTYPES.get(self.precision)
 
 
@@ -346,7 +357,9 @@ def simulate_config_profile(
         return full, simulate_profile(
             full, device, max_micro_batch_size=max_micro_batch_size, policies=policies, progress=progress
         )
-    run_setup = dataclasses.replace(setup, precision="bf16") if fsdp_mixed else setup
+    run_setup = (
+        dataclasses.replace(setup, precision=GATHERED_PRECISIONS[setup.precision]) if fsdp_mixed else setup
+    )
     small = config_workload(spec, run_setup, layers=2 if layers >= 3 else None)
     profile = simulate_profile(
         small, device, max_micro_batch_size=max_micro_batch_size, policies=policies, progress=progress
