@@ -21,6 +21,7 @@ import torch
 
 from microbatch import hf
 from microbatch.errors import ConfigError
+from test_hf_exact import Gradients  # the first optimizer step's gradient, as the optimizer sees it
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -69,18 +70,6 @@ def _model() -> Any:
         num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD, eos_token_id=EOS,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config).to(torch.float64)
-
-
-class Gradients(transformers.TrainerCallback):
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if not self.grads:
-            self.grads = {
-                n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None
-            }
 
 
 def _sft(

@@ -26,6 +26,7 @@ import torch
 from torch.nn import functional as F
 
 from microbatch import hf
+from test_hf_exact import Gradients  # the first optimizer step's gradient, as the optimizer sees it
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -114,18 +115,6 @@ def _sft(tmp_path: Any, model: Any, *, micro: int = MICRO, steps: int = STEPS) -
     )  # fmt: skip
     dataset = datasets.Dataset.from_dict({"messages": conversations(40)})
     return trl.SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=_tokenizer())
-
-
-class Gradients(transformers.TrainerCallback):
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if not self.grads:
-            self.grads = {
-                n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None
-            }
 
 
 def _first_step(trainer: Any) -> dict[str, torch.Tensor]:
