@@ -21,19 +21,10 @@ from microbatch.planner.pricing import Model
 from microbatch.planner.ranks import HELD_SHARDS, shard_profile
 from microbatch.profile.costs import Profile
 from microbatch.workload import Workload
+from test_mixed_precision import TINY  # the tiny Llama config both files simulate
 
 pytest.importorskip("transformers")
 H100 = devices()["h100-80gb"]
-TINY = {
-    "model_type": "llama",
-    "num_hidden_layers": 3,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "tie_word_embeddings": False,
-}
 WORLD_SIZES = (8, 128)
 
 
