@@ -20,10 +20,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import resource
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,9 @@ TORCHTITAN_H100 = "https://github.com/pytorch/torchtitan/blob/main/docs/performa
 TORCHTITAN_A100 = (
     "https://github.com/pytorch/torchtitan/blob/041336434916bdc0f88c1f89fda176fd3c2092e4/docs/performance.md"
 )
+# torchtitan's launch script turns expandable segments on from 2024-10-22 (a5e57e4), before the H100
+# figures (2025-01-30, d4c86e3) and after the A100 ones (2024-04-24, 0413364).
+TORCHTITAN_EXPANDABLE = "https://github.com/pytorch/torchtitan/commit/a5e57e4"
 NANOGPT = "https://github.com/karpathy/nanoGPT/blob/master/README.md"
 TORCHTUNE = "https://github.com/pytorch/torchtune/blob/main/README.md#optimization-flags"
 # Llama 2 13B's public config.json (meta-llama/Llama-2-13b-hf): not among the named architectures.
@@ -79,7 +84,7 @@ class Run:
     steps: int  # micro-batches per optimizer step (gradient accumulation)
     seq_len: int
     precision: str  # "mixed": fp32 parameters and optimizer state, bf16 compute (FSDP2 / autocast)
-    policy: str  # activation checkpointing: none, full, selective
+    policy: str  # activation checkpointing: none, full, selective, selective-half (torchtitan's op SAC)
     shard: str  # fsdp or ddp
     tokens_per_second: float  # per GPU, as published
     peak_gib: float | None  # as published, None when not given
@@ -88,6 +93,8 @@ class Run:
     # What the published peak counts: "reserved" (torch.cuda.max_memory_reserved, torchtitan's
     # "memory") or "active" (max allocated bytes: no allocator cache, no CUDA context).
     peak_kind: str = "reserved"
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as the run's launch script set it.
+    expandable_segments: bool = False
 
 
 # BERT-large (bert-large-uncased's config.json, DeepLearningExamples' vocabulary padded to 30528):
@@ -120,13 +127,15 @@ RUNS = (
         1,
         8192,
         "mixed",
-        "selective",
+        "selective-half",
         "fsdp",
         5762,
         82.4,
         TORCHTITAN_H100,
         "Table 1, row FSDP: local batch 2, seq 8192 (torchtitan's llama3_8b.toml), selective (op) AC, "
-        "bf16 FSDP2 mixed precision, eager; H100 96GB HBM2e at 500 W",
+        "bf16 FSDP2 mixed precision, eager; H100 96GB HBM2e at 500 W; run_llama_train.sh sets "
+        f"expandable_segments:True ({TORCHTITAN_EXPANDABLE})",
+        expandable_segments=True,
     ),
     Run(
         "torchtitan Llama 3.1 8B, 128 H100, FSDP",
@@ -137,12 +146,13 @@ RUNS = (
         1,
         8192,
         "mixed",
-        "selective",
+        "selective-half",
         "fsdp",
         5605,
         67.0,
         TORCHTITAN_H100,
         "Table 3, row FSDP: as Table 1 on 16 nodes, 400 Gb/s RDMA per GPU",
+        expandable_segments=True,
     ),
     Run(
         "torchtitan Llama 3 8B, 64 A100, FSDP",
@@ -153,7 +163,7 @@ RUNS = (
         1,
         8192,
         "mixed",
-        "selective",
+        "selective-half",
         "fsdp",
         2973,
         None,
@@ -201,7 +211,7 @@ RUNS = (
         1,
         4096,
         "mixed",
-        "selective",
+        "selective-half",
         "fsdp",
         1904,
         None,
@@ -382,8 +392,25 @@ def precision_of(run: Run) -> tuple[str, str | None]:
 
 def simulate_run(run: Run, folder: Path) -> dict[str, Any]:
     """The run as simulated. Its attention is priced causal as on a GPU: under the simulation
-    transformers calls SDPA with ``is_causal=True`` and no mask tensor (profile/device_path.py)."""
-    return _simulate(run, folder)
+    transformers calls SDPA with ``is_causal=True`` and no mask tensor (profile/device_path.py).
+    Its allocator is configured as the run's was: the peak replays the allocations through the
+    allocator model with expandable segments where the run's launch script turned them on."""
+    with _allocator_config(run):
+        return _simulate(run, folder)
+
+
+@contextlib.contextmanager
+def _allocator_config(run: Run) -> Iterator[None]:
+    """PYTORCH_CUDA_ALLOC_CONF as the run set it, for the simulation (the allocator model reads it)."""
+    saved = os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if run.expandable_segments:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    try:
+        yield
+    finally:
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        if saved is not None:
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = saved
 
 
 def _simulate(run: Run, folder: Path) -> dict[str, Any]:
@@ -537,30 +564,33 @@ def section(report: dict[str, Any]) -> str:
             + ("; ".join(misses) if misses else "none")
             + ". "
             + (f"Predicted above the card although the run fitted: {'; '.join(too_big)}. " if too_big else "")
-            + "Known causes, none corrected for here: microbatch's selective policy saves every "
-            "matmul's output, torchtitan's op-level SAC every second mm's (it recomputes the others), "
-            "so selective rows keep more activations (peak over) and recompute fewer FLOPs (time "
-            "under) than the runs; the 8B's excess over the published peak, 7.7 GiB on 8 H100 and "
-            "9.1 GiB on 128, barely depends on the ranks, like that cause (the run's own "
-            "two peaks differ by 15.4 GiB, the "
-            "predictions by 14.0 GiB, as the sharded fp32 parameters, gradients and state do, since "
-            "FSDP2's gradient shards count under every micro-batch: they stay reserved in the "
-            "reduce-scatter stream's pool between steps, planner/ranks.py); the 1.4 GiB more that "
-            "the run sheds from 8 ranks to 128 is not found; about 1.4 GiB of each excess is the "
-            "planner's 1 % safety margin and its 512 MiB CUDA context allowance, which torch's "
-            "max_memory_reserved (torchtitan's memory column) does not count; and the selective "
-            "difference alone does not fit the size: keeping every second matmul output instead of "
-            "all would drop about 19 GiB on 32 layers at 2 x 8192 (counted by hand from the layer's "
-            "shapes), more than the 7.7 GiB excess, so part of the rest is under-counted elsewhere "
-            "and remains to be found; the simulated FSDP all-gathers and "
-            "reduce-scatters are not overlapped "
-            "with compute (an upper bound on time); nanoGPT compiles its model, which fuses the "
-            "elementwise and fp32 autocast ops that the eager simulation prices one by one (in pure "
-            "bf16, before mixed precision was simulated, this row read +3.2 %); DeepLearningExamples' "
-            "BERT runs APEX AMP (fp32 master weights, fp16 compute), simulated as 'mixed-fp16' (fp32 "
-            "parameters and state under fp16 autocast; with fp16 parameters throughout, which AMP does "
-            "not run, it read +33 %), its fused LAMB, GeLU and LayerNorm kernels priced as the eager "
-            "ops they replace and its GradScaler's unscale not priced; the A100 clusters' network "
+            + "torchtitan's selective rows run its op-level SAC (every second aten.mm output saved with the"
+            " attention output, the other projections recomputed), simulated as microbatch's "
+            "'selective-half', the same rule (checkpointing/selective.py); with microbatch's own "
+            "'selective' (every projection's output saved) the two 8B H100 rows read +14.3 % and +19.7 %."
+            " The H100 runs' launch script set expandable_segments:True, and their allocations are "
+            "replayed with it (with the native allocator's least reserved bytes both read -8.9 %: at 82 "
+            "of 95 GiB the run's allocator is not pressed, and the 8 GiB loss tensors leave a 4 GiB hole "
+            "the next one cannot use). Known causes, none corrected for here: each 8B prediction includes"
+            " the planner's 1 % safety margin and its 512 MiB CUDA context allowance, which torch's "
+            "max_memory_reserved (torchtitan's memory column) does not count, so the runs' allocations "
+            "are under-counted by more than the 3.3 GiB (8 H100) and 2.0 GiB (128 H100) the rows show, by"
+            " causes not found; the run's own two peaks differ by 15.4 GiB, the predictions by 14.0 GiB, "
+            "as the sharded fp32 parameters, gradients and state do (FSDP2's gradient shards stay "
+            "reserved in the reduce-scatter stream's pool between steps, planner/ranks.py). Llama 2 13B "
+            "without AC is predicted above its card: the simulated layer keeps 1,905 MiB at 2 x 4096, a "
+            "hand count of transformers' saved tensors 1,824 MiB; the 80 MiB between them is one t x d "
+            "copy, the attention output's transpose made contiguous for o_proj, which the CPU kernel's "
+            "(b, h, s, d) layout needs and a CUDA kernel that writes (b, s, h, d) may not (a candidate, "
+            "not checked here); 40 such copies are 3.1 GiB of the 4.8 GiB excess; the simulated FSDP "
+            "all-gathers and reduce-scatters are not overlapped with compute (an upper bound on time); "
+            "nanoGPT compiles its model, which fuses the elementwise and fp32 autocast ops that the eager"
+            " simulation prices one by one (in pure bf16, before mixed precision was simulated, this row "
+            "read +3.2 %); DeepLearningExamples' BERT runs APEX AMP (fp32 master weights, fp16 compute), "
+            "simulated as 'mixed-fp16' (fp32 parameters and state under fp16 autocast; with fp16 "
+            "parameters throughout, which AMP does not run, it read +33 %), its fused LAMB, GeLU and "
+            "LayerNorm kernels priced as the eager ops they replace and its GradScaler's unscale not "
+            "priced; the A100 clusters' network "
             "is not published, taken as DGX A100's (8 x 200 Gb/s InfiniBand).",
             "",
             *(f"Note: {note}." for note in notes),

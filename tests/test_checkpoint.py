@@ -475,7 +475,7 @@ def test_unknown_block_name_lists_close_matches() -> None:
 
 def test_unknown_policy_lists_the_options() -> None:
     model = TinyTransformer()
-    with pytest.raises(ConfigError, match="'full', 'selective', 'offload'"):
+    with pytest.raises(ConfigError, match="'full', 'selective', 'selective-half', 'offload'"):
         checkpoint(model, policy="everything")
     with pytest.raises(ConfigError, match="'none'"):
         checkpoint(model, policy={"layers.0": "sometimes"})

@@ -4,13 +4,16 @@ run's precision carried over, or refused by name with bf16 in its place (issue 2
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from microbatch.checkpointing.api import POLICIES
 from microbatch.hf.configs import ARCHITECTURES, PRECISIONS
+from microbatch.memory.allocator import expandable_segments_enabled
 from microbatch.memory.device_specs import devices
 from microbatch.planner.options import SHARDS
 
@@ -34,12 +37,25 @@ def test_every_row_is_a_whole_configuration_with_its_source() -> None:
     for run in published.RUNS:
         assert run.model in ARCHITECTURES or run.model in published.CONFIGS, run.name
         assert run.device in devices(), run.name
-        assert run.shard in SHARDS and run.policy in ("none", "full", "selective"), run.name
+        assert run.shard in SHARDS and run.policy in ("none", *POLICIES), run.name
         assert run.world_size >= 1 and run.micro_batch >= 1 and run.steps >= 1 and run.seq_len >= 2
         assert run.tokens_per_second > 0 and run.source.startswith("https://github.com/"), run.name
         assert run.peak_kind in ("reserved", "active"), run.name
     for name, figures, source, missing in published.NOT_EXPRESSIBLE:
         assert figures and missing and source.startswith("https://"), name
+
+
+def test_each_run_is_simulated_with_its_own_allocator_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchtitan's H100 runs set expandable segments (their launch script, from 2024-10-22); its
+    A100 runs predate that. The setting holds inside the row's simulation and is restored after."""
+    published = _published()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6")
+    expandable = {run.name for run in published.RUNS if run.expandable_segments}
+    assert expandable == {run.name for run in published.RUNS if "H100" in run.name}
+    for run in published.RUNS:
+        with published._allocator_config(run):
+            assert expandable_segments_enabled() == run.expandable_segments, run.name
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "garbage_collection_threshold:0.6"
 
 
 def test_a_precision_this_microbatch_lacks_falls_back_to_bf16_with_a_note() -> None:

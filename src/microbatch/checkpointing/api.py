@@ -9,6 +9,8 @@ boundary input is X:
 
     policy="full"       keeps X; recomputes the forward in backward (A again, transiently)
     policy="selective"  keeps X and the outputs of matmul-like ops; recomputes the cheap ops only
+    policy="selective-half"  keeps X, attention outputs and every second projection (torchtitan's
+                        op-level policy, selective.py); recomputes the rest, half the projections
     policy="offload"    keeps X in host memory (pinned on CUDA); recomputes like "full"
 
 torch stops a recompute once every saved tensor is back (early stop), so the recompute of a block
@@ -49,13 +51,13 @@ from ..trees.modules import ancestors, is_compiled, modules_of_type, unwrap_comp
 from . import compiled
 from .auto_blocks import auto_blocks, describe_blocks
 from .recompute import NORMS_WITH_RUNNING_STATS, RunningStatsGuard, cache_disabler, run_checkpointed
-from .selective import SelectivePlan
+from .selective import HALF, SelectivePlan
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["POLICIES", "CheckpointHandle", "checkpoint", "find_blocks"]
 
-POLICIES = ("full", "selective", "offload")
+POLICIES = ("full", "selective", HALF, "offload")
 BlockSpec = str | Sequence[str] | Callable[[str, nn.Module], bool]
 
 # Set on a wrapped module's __dict__; its value is the policy. Used to detect nesting.
@@ -195,7 +197,7 @@ class CheckpointHandle:
         original = module.forward
         norms = [norm for _, norm in modules_of_type(module, NORMS_WITH_RUNNING_STATS)]
         guard = RunningStatsGuard(norms) if norms else None
-        plan = SelectivePlan() if policy == "selective" else None
+        plan = SelectivePlan(half=policy == HALF) if policy in ("selective", HALF) else None
         cache_off = cache_disabler(original, lambda: self._notice_cache_off(name))
         # looked up per call (tests replace _offload_saved_inputs to force host copies on CPU)
         saving: Callable[[], Any] = (
@@ -285,8 +287,8 @@ def checkpoint(
     """Checkpoint ``model``'s blocks in place; returns a handle whose ``remove()`` undoes it.
 
     ``blocks``: "auto", a list of module names, or a predicate (see ``find_blocks``).
-    ``policy``: "full", "selective" or "offload" for all blocks, or a dict of block name -> policy
-    ("none" leaves a block alone), in which case the dict's keys are the blocks.
+    ``policy``: "full", "selective", "selective-half" or "offload" for all blocks, or a dict of block
+    name -> policy ("none" leaves a block alone), in which case the dict's keys are the blocks.
 
     Raises CheckpointError (unknown or nested blocks, nothing repeated for "auto", a block already
     checkpointed) or ConfigError (unknown policy); the model is untouched when it raises.

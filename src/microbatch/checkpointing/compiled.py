@@ -9,6 +9,7 @@ region whose recompute the partitioner plans):
 
     policy="full"       torch's checkpoint without a context_fn; the partitioner recomputes the block
     policy="selective"  saves every matmul-like output (no learned skip set); recomputes the rest
+    policy="selective-half"  as eager: every second projection and the other matmul-like outputs
     policy="offload"    acts as "full": saved-tensor hooks cannot be traced, so inputs stay on device
 
 BatchNorm needs no guard there: the compiled forward updates the running statistics once, as a
@@ -31,7 +32,7 @@ from torch.utils import checkpoint as torch_checkpoint
 
 from ..trees.modules import is_compiled, unwrap_compiled
 from ..workload import Workload
-from .selective import MATMUL_OPS
+from .selective import HALF, MATMUL_OPS, every_second_projection
 
 __all__ = [
     "COMPILED_FORMS",
@@ -46,6 +47,7 @@ __all__ = [
 COMPILED_FORMS = {
     "full": "full (the compiler's partitioner plans the recompute)",
     "selective": "selective with every matmul-like output saved (no learned skip set)",
+    HALF: "selective-half, as eager (every second projection saved)",
     "offload": "full (saved-tensor hooks cannot be traced; inputs stay on the device)",
 }
 
@@ -79,6 +81,18 @@ def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> torch_checkpo
 _SELECTIVE_CONTEXTS = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, _save_matmuls)
 
 
+def _half_contexts() -> Any:
+    """selective-half's contexts for one call of a block: a fresh projection counter each call."""
+    recomputed = every_second_projection()
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> torch_checkpoint.CheckpointPolicy:
+        if recomputed(op):
+            return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+        return _save_matmuls(ctx, op, *args, **kwargs)
+
+    return torch_checkpoint.create_selective_checkpoint_contexts(policy)
+
+
 def run_compiled(
     forward: Callable[..., Any], policy: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -88,14 +102,14 @@ def run_compiled(
     def run(*inputs: Any) -> Any:
         return forward(*inputs[:num_args], **dict(zip(keyword_names, inputs[num_args:], strict=True)))
 
-    if policy == "selective":
+    if policy in ("selective", HALF):
         return torch_checkpoint.checkpoint(
             run,
             *args,
             *kwargs.values(),
             use_reentrant=False,
             preserve_rng_state=True,
-            context_fn=_SELECTIVE_CONTEXTS,
+            context_fn=_SELECTIVE_CONTEXTS if policy == "selective" else _half_contexts,
         )
     # No context_fn argument at all: dynamo cannot trace an explicit noop_context_fn (torch 2.13).
     return torch_checkpoint.checkpoint(

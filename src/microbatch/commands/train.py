@@ -119,8 +119,8 @@ def _add_plan_arguments(add: Any) -> None:
         "--checkpoint-policy",
         choices=list(CHECKPOINT_POLICIES),
         help="activation checkpointing: auto (the planner decides per block), or the one policy the "
-        "planner may use (none, full, selective); with --micro-batch, the policy of every block "
-        "(default auto)",
+        "planner may use (none, full, selective, selective-half); with --micro-batch, the policy of "
+        "every block (default auto)",
     )
     add(
         "--micro-batch",

@@ -40,8 +40,9 @@ STEADY, FIRST, BOTH = "steady", "first", "both"  # phases of a window; see Model
 # error beyond the profiled sizes, stay under it.
 SAFETY_MARGIN = 0.01
 # Least extra time per policy, as a fraction of the block's forward: full and offload recompute
-# the whole forward; selective recomputes its cheap ops, taken as at least a tenth of it.
-RECOMPUTE_FLOOR = {"full": 1.0, "offload": 1.0, "selective": 0.1}
+# the whole forward; selective recomputes its cheap ops, taken as at least a tenth of it;
+# selective-half also reruns every second projection, taken as at least a quarter of it.
+RECOMPUTE_FLOOR = {"full": 1.0, "offload": 1.0, "selective": 0.1, "selective-half": 0.25}
 
 
 @dataclass(frozen=True)

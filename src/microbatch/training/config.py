@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 # Learning rates that train each size well at effective batch 64 (AdamW, betas 0.9 / 0.95).
 DEFAULT_LR = {"gpt-nano": 3e-3, "gpt-mini": 3e-3, "gpt-12l": 2e-3, "gpt-small": 6e-4, "gpt-medium": 3e-4}
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-CHECKPOINT_POLICIES = ("auto", "none", "full", "selective")
+CHECKPOINT_POLICIES = ("auto", "none", "full", "selective", "selective-half")
 LR_SCALINGS = ("linear", "sqrt")
 # A run stops with an error after this many optimizer steps in a row that were skipped (non-finite
 # gradients under fp16): the model is not training, and a run must not "finish" like that.
