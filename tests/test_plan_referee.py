@@ -66,8 +66,12 @@ def budgets(workload: Workload, profile: Profile, batch: int, options: dict[str,
     widened = with_wide_gradients(profile, workload.model, options.get("accumulate_dtype"))
     floor = options.get("min_micro_batch_size", 1)
     result = search(widened, per_rank_batch=batch, capacity_bytes=math.inf, min_micro_batch_size=floor)
-    top = max(point.peak_bytes for point in result.frontier)
     low = result.minimum.peak_bytes
+    # One micro-batch of the whole batch, whatever the timings: the frontier of all plans keeps only
+    # points no other is both faster and smaller than, and under a loaded CPU's timing noise it can
+    # lose the large ones, leaving a range too narrow for a trial's few bytes of excess.
+    whole = search(widened, per_rank_batch=batch, capacity_bytes=math.inf, min_micro_batch_size=batch)
+    top = max(point.peak_bytes for point in whole.frontier)
     return [int(low + fraction * (top - low)) for fraction in FRACTIONS]
 
 

@@ -114,8 +114,12 @@ def test_prefer_large_picks_the_largest_micro_batch_that_fits() -> None:
     large = mb.plan(
         workload, batch=16, memory=budget, profile=profile, trial=False, prefer_large_micro_batches=True
     )
+    # The frontier holds the points no other is both faster and smaller than; under timing noise the
+    # chosen large point may be dominated and absent, so it is compared with every fitting point.
     fitting = [p.micro_batch_size for p in large.frontier if p.predicted_peak_bytes <= budget]
-    assert large.micro_batch_size == max(fitting) >= fastest.micro_batch_size
+    assert large.predicted_peak_bytes <= budget
+    assert large.micro_batch_size >= max(fitting, default=0)
+    assert large.micro_batch_size >= fastest.micro_batch_size
 
 
 def test_min_micro_batch_size_is_checked() -> None:
