@@ -87,7 +87,7 @@ def test_long_block_names_get_a_column_wide_enough() -> None:
     assert all(row.split()[0] in names and row.split()[1] == "none" for row in rows)
 
 
-def test_a_simulated_architecture_names_every_layer_not_the_two_simulated(
+def test_a_simulated_architecture_names_every_layer_not_the_three_simulated(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     folder = tmp_path / "six-layers"
@@ -96,9 +96,12 @@ def test_a_simulated_architecture_names_every_layer_not_the_two_simulated(
     argv = ["plan", str(folder / "config.json"), "--device", "l4", "--batch", "4", "--seq-len", "64"]
     assert main([*argv, "--memory", "4GiB", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "picked 2 " not in out
+    assert "picked 3 " not in out
     assert "blocks='auto' picked 6 GPT2Block blocks (transformer.h.0 .. transformer.h.5)" in out
-    assert "transformer.h.0 and transformer.h.1 simulated, the second's costs repeated for the other 4" in out
+    assert (
+        "transformer.h.0, transformer.h.1 and transformer.h.5 simulated (the first, a middle and the last), "
+        "the middle one's costs repeated for the other 3"
+    ) in out
     block_lines = [line for line in out.splitlines() if line.startswith("  transformer.h.")]
     assert len(block_lines) == 1 and block_lines[0].split()[0] == "transformer.h.0-5"
     assert "1 ranks" not in out and "shard none, 1 rank)" in out

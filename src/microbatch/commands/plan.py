@@ -162,7 +162,7 @@ def _architecture(args: argparse.Namespace, policies: list[str] | None, progress
     per_rank = max(1, args.batch // max(1, args.world_size // max(1, args.pipeline)))
     # policies=None: none, full and selective (the simulated profiler's default). The solver takes
     # the identical layers by counts of each policy (planner/solve_runs.py), so depth costs little.
-    # The runs are of a two-layer copy, not the plan's memory: their allocator replays are
+    # The runs are of a three-layer copy, not the plan's memory: their allocator replays are
     # estimates (profile/reserved.py), with no capacity set.
     return simulate_config_profile(
         args.model,

@@ -6,9 +6,10 @@ built on the meta device (shapes and dtypes only) and run by the simulated profi
 weights.
 ``config_workload`` also takes a local ``config.json`` path.
 
-An LLM's decoder layers are identical, so ``simulate_config_profile`` simulates a two-layer copy
-of the model (the first layer, whose input needs no gradient, and a representative later one),
-repeats the later layer's costs for every layer after the first, and measures the static memory
+An LLM's decoder layers are identical, so ``simulate_config_profile`` simulates a three-layer copy
+of the model (the first layer, whose input needs no gradient, a middle one and the last: the
+middle layer's input dies after it, the last one's in the head, hf/layer_profiles.py), repeats
+the middle layer's costs for every layer between the first and the last, and measures the static memory
 (parameters, gradients, optimizer state, the step's temporaries) on the full model.
 """
 
@@ -34,7 +35,7 @@ from ..profile.cuda_autocast import simulating_cuda
 from ..profile.measure import ProgressFn
 from ..profile.simulate import simulate_profile, simulation, static_costs
 from ..workload import Workload
-from .layer_profiles import fsdp_mixed_profile, full_model_notes, repeat_blocks
+from .layer_profiles import SIMULATED_LAYERS, fsdp_mixed_profile, full_model_notes, repeat_blocks
 
 _LLAMA = {"model_type": "llama", "rope_theta": 500000.0, "max_position_embeddings": 131072}
 _QWEN = {"model_type": "qwen2", "rope_theta": 1000000.0, "max_position_embeddings": 32768}
@@ -344,7 +345,7 @@ def simulate_config_profile(
     progress: ProgressFn | None = None,
     shard: str = "none",
 ) -> tuple[Workload, Profile]:
-    """The full model's Workload and its simulated profile (two layers simulated, see the docstring).
+    """The full model's Workload and its simulated profile (three layers simulated, see the docstring).
 
     ``precision="mixed"`` with ``shard="fsdp"``: the blocks run as FSDP2 with
     ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` runs them (``fsdp_mixed``).
@@ -353,14 +354,14 @@ def simulate_config_profile(
     layers = layer_count(fields)
     full = config_workload(spec, setup)
     fsdp_mixed = shard == "fsdp" and setup.autocast_dtype is not None
-    if layers < 3 and not fsdp_mixed:
+    if layers <= SIMULATED_LAYERS and not fsdp_mixed:
         return full, simulate_profile(
             full, device, max_micro_batch_size=max_micro_batch_size, policies=policies, progress=progress
         )
     run_setup = (
         dataclasses.replace(setup, precision=GATHERED_PRECISIONS[setup.precision]) if fsdp_mixed else setup
     )
-    small = config_workload(spec, run_setup, layers=2 if layers >= 3 else None)
+    small = config_workload(spec, run_setup, layers=SIMULATED_LAYERS if layers > SIMULATED_LAYERS else None)
     profile = simulate_profile(
         small, device, max_micro_batch_size=max_micro_batch_size, policies=policies, progress=progress
     )
@@ -370,7 +371,7 @@ def simulate_config_profile(
             full.model, optimizer, clock, cuda=device.kind == "cuda"
         )
     notes = profile.notes
-    if layers >= 3:
+    if layers > SIMULATED_LAYERS:
         profile = repeat_blocks(profile, layers)
         notes = full_model_notes(profile, layers)
     profile = dataclasses.replace(

@@ -1,4 +1,4 @@
-"""A simulated profile of a few layers made the full model's: the layers repeated, the notes stated for
+"""A simulated profile of three layers made the full model's: the layers repeated, the notes stated for
 all of them, and FSDP2's mixed-precision policy (hf/configs.simulate_config_profile uses them)."""
 
 from __future__ import annotations
@@ -11,21 +11,33 @@ from ..errors import ConfigError
 from ..profile.costs import Profile, SegmentProfile
 from ..profile.timeline import gap_names
 
+SIMULATED_LAYERS = 3  # the first layer, a middle one, the last
+
 
 def repeat_blocks(profile: Profile, layers: int) -> Profile:
-    """A profile of two identical blocks extended to ``layers``: the second block's costs repeat."""
+    """A profile of three identical blocks extended to ``layers``: the middle block repeats.
+
+    The three are the first layer (its input, the embeddings, stays alive: transformers keeps
+    ``inputs_embeds``), a middle one and the last. A middle layer run without checkpointing may
+    let its input die after it (assemble.fold_freed_inputs credits that to its "none" cost, seen in
+    the part after it, before the last layer); the last layer's input dies in the part after the
+    blocks, as in the whole model. So the middle layer and the part before it repeat for layers
+    1 .. layers - 2.
+    """
     blocks = profile.blocks
-    if len(blocks) != 2 or layers < 2:
-        raise ConfigError(f"repeat_blocks needs a profile of two blocks and layers >= 2, got {len(blocks)}")
-    before, first, between, second, after = profile.segments
-    stem = second.name.rsplit(".", 1)[0]
+    if len(blocks) != SIMULATED_LAYERS or layers < SIMULATED_LAYERS:
+        raise ConfigError(
+            f"repeat_blocks needs a profile of {SIMULATED_LAYERS} blocks and layers >= {SIMULATED_LAYERS}, "
+            f"got {len(blocks)} and {layers}"
+        )
+    before, first, first_gap, middle, gap, last, after = profile.segments
+    stem = middle.name.rsplit(".", 1)[0]
     names = [first.name, *(f"{stem}.{index}" for index in range(1, layers))]
     gaps = gap_names(names)
-    segments: list[SegmentProfile] = [before]
-    for index, name in enumerate(names):
-        if index:
-            segments.append(dataclasses.replace(between, name=gaps[index]))
-        segments.append(first if index == 0 else dataclasses.replace(second, name=name))
+    segments: list[SegmentProfile] = [before, first]
+    for index, name in enumerate(names[1:], start=1):
+        segments.append(dataclasses.replace(first_gap if index == 1 else gap, name=gaps[index]))
+        segments.append(dataclasses.replace(last if index == layers - 1 else middle, name=name))
     segments.append(after)
     return dataclasses.replace(profile, segments=tuple(segments))
 
@@ -60,18 +72,19 @@ def fsdp_mixed_profile(profile: Profile) -> Profile:
 
 
 def full_model_notes(profile: Profile, layers: int) -> tuple[str, ...]:
-    """The notes of a profile simulated on two layers, stated for the whole model.
+    """The notes of a profile simulated on three layers, stated for the whole model.
 
-    blocks='auto' ran on the two-layer model and said so ("picked 2 ... blocks"); the plan is for
+    blocks='auto' ran on the three-layer model and said so ("picked 3 ... blocks"); the plan is for
     all ``layers``, so the note names them all and says which were simulated.
     """
     blocks = [segment.name for segment in profile.blocks]
     simulated = (
-        f"{blocks[0]} and {blocks[1]} simulated, the second's costs repeated for the other {layers - 2}"
+        f"{blocks[0]}, {blocks[1]} and {blocks[-1]} simulated (the first, a middle and the last), the "
+        f"middle one's costs repeated for the other {layers - SIMULATED_LAYERS}"
     )
     notes = []
     for note in profile.notes:
-        if note.startswith("blocks='auto' picked 2 "):
+        if note.startswith(f"blocks='auto' picked {SIMULATED_LAYERS} "):
             kind = note.split()[3]
             note = f"blocks='auto' picked {layers} {kind} blocks ({blocks[0]} .. {blocks[-1]}); {simulated}"
             simulated = ""
