@@ -169,6 +169,13 @@ def fastest_runs(timed_runs: Mapping[tuple[str, int], Sequence[Run]]) -> dict[tu
     return {key: min(runs, key=lambda run: run.seconds) for key, runs in timed_runs.items() if runs}
 
 
+def _reserved_overhead(measured: Measurements) -> Fit | None:
+    """Reserved minus live bytes of every tracked run, the worst at each size (profile/reserved.py)."""
+    tracked = (measured.memory_runs, measured.first_runs)
+    pairs = [(size, run) for runs in tracked for (_, size), run in runs.items()]
+    return reserved.overhead_fit(measured.sizes, pairs)
+
+
 def _loop_seconds(measured: Measurements) -> Fit:
     """Seconds per micro-batch outside the segments (the loss's and the loop's bookkeeping)."""
     fastest = fastest_runs(measured.timed_runs)
@@ -226,14 +233,7 @@ def assemble(
     static_bytes = parameter_bytes + gradient_total + optimizer_bytes
     none_runs = [measured.memory_runs[NONE, size] for size in sizes]
     base = Fit.of(sizes, [max(0, run.start_bytes - static_bytes) for run in none_runs], interpolate=True)
-    overhead = reserved.overhead_fit(
-        sizes,
-        [
-            (size, run)
-            for runs in (measured.memory_runs, measured.first_runs)
-            for (_, size), run in runs.items()
-        ],
-    )
+    overhead = _reserved_overhead(measured)
     kind = reserved.peak_kind(cuda=overhead is not None)
     if overhead is not None:
         notes.append(reserved.note(kind, overhead))
