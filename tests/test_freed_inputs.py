@@ -9,6 +9,7 @@ a real model's peak under MemoryTracker, and the simulated model profiled whole.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,9 @@ import microbatch as mb
 from microbatch.hf.causal_lm import causal_lm_workload
 from microbatch.hf.configs import ModelSetup, config_workload, simulate_config_profile
 from microbatch.memory.device_specs import devices
+from microbatch.planner.stage_model import solve_stage
 from microbatch.profile import NONE, profile_workload
+from microbatch.profile.costs import Fit, PolicyCost, SegmentProfile
 from microbatch.profile.simulate import simulate_profile
 from test_plan_referee import referee_peaks  # every window's peak under a tracker of its own
 
@@ -99,3 +102,29 @@ def test_three_simulated_layers_repeated_are_the_whole_model(tmp_path: Path) -> 
             cost, reference = (s.costs[policy if s.is_block else NONE] for s in (ours, theirs))
             assert cost.kept(2) == reference.kept(2), (policy, ours.name)
             assert cost.peak(2) == reference.peak(2), (policy, ours.name)
+
+
+def test_a_pipeline_stage_holds_the_input_it_receives() -> None:
+    """A stage after the first begins at a block whose input torch's receive buffer keeps: the
+    credit for that input dying after the block is taken back there, and only there."""
+
+    def cost(kept: float) -> PolicyCost:
+        return PolicyCost(
+            kept_bytes=Fit.constant(kept),
+            peak_bytes=Fit.constant(kept + 50),
+            forward_seconds=Fit.constant(1.0),
+            backward_seconds=Fit.constant(2.0),
+        )
+
+    block = SegmentProfile(
+        "layers.3", True, {NONE: cost(100), "full": cost(10)}, freed_input_bytes=Fit.constant(40)
+    )
+    before = SegmentProfile("(before blocks)", False, {NONE: cost(5)})
+    common: dict[str, Any] = {"size": 1, "gradient_bytes": 0, "held_first": 1, "held_steady": None}
+    received = solve_stage([block], capacity_bytes=math.inf, policies=[NONE], **common)
+    first_stage = solve_stage([before, block], capacity_bytes=math.inf, policies=[NONE], **common)
+    checkpointed = solve_stage([block], capacity_bytes=100, policies=["full"], **common)  # none: 140 + 150
+    assert received is not None and first_stage is not None and checkpointed is not None
+    assert received.kept_bytes == 100 + 40
+    assert first_stage.kept_bytes == 5 + 100
+    assert dict(checkpointed.policies) == {"layers.3": "full"} and checkpointed.kept_bytes == 10

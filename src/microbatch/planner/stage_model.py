@@ -182,10 +182,15 @@ def _options(
     gradient_bytes: int,
     policies: Sequence[str] | None,
 ) -> list[list[_Option]]:
-    """Per segment its options; G_k as the module docstring says (backward runs the segments in reverse)."""
+    """Per segment its options; G_k as the module docstring says (backward runs the segments in reverse).
+
+    A stage after the first begins at a block whose input torch's receive buffer holds (in fixed_s):
+    a credit for that input dying after the block (SegmentProfile.freed_input_bytes) is taken back.
+    """
     later = 0
     result: list[list[_Option]] = []
-    for segment in reversed(segments):
+    for position, segment in reversed(list(enumerate(segments))):
+        held_input = math.ceil(segment.freed_input_bytes(size)) if position == 0 and segment.is_block else 0
         base = segment.costs[NONE]
         forward = base.forward_seconds(size)
         options = []
@@ -200,7 +205,8 @@ def _options(
             options.append(
                 _Option(
                     policy=policy,
-                    kept_bytes=math.ceil(max(cost.kept(size), cost.kept(size, first=True))),
+                    kept_bytes=math.ceil(max(cost.kept(size), cost.kept(size, first=True)))
+                    + (held_input if policy == NONE else 0),
                     first_peak_bytes=math.ceil(cost.peak(size, first=True)) + later,
                     steady_peak_bytes=math.ceil(cost.peak(size)) + gradient_bytes,
                     seconds=base.seconds(size) + extra,

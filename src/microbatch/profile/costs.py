@@ -182,7 +182,10 @@ class SegmentProfile:
     """A block (``is_block``) or a part outside the blocks, with its costs per policy.
 
     Parts outside blocks have only the policy "none". ``gradient_bytes`` is the gradient memory of
-    the parameters whose gradients this segment's backward creates.
+    the parameters whose gradients this segment's backward creates. ``freed_input_bytes``: the
+    block's input, which dies after it without checkpointing and is credited to its "none"
+    kept_bytes (assemble.fold_freed_inputs); a caller that holds the input (a pipeline stage's
+    receive buffer) adds it back.
     """
 
     name: str
@@ -190,6 +193,7 @@ class SegmentProfile:
     costs: Mapping[str, PolicyCost]
     boundary_bytes: Fit = field(default_factory=lambda: Fit.constant(0))
     gradient_bytes: int = 0
+    freed_input_bytes: Fit = field(default_factory=lambda: Fit.constant(0))
 
     @property
     def policies(self) -> tuple[str, ...]:
@@ -201,6 +205,7 @@ class SegmentProfile:
             "is_block": self.is_block,
             "boundary_bytes": self.boundary_bytes.to_dict(),
             "gradient_bytes": self.gradient_bytes,
+            "freed_input_bytes": self.freed_input_bytes.to_dict(),
             "costs": {policy: cost.to_dict() for policy, cost in self.costs.items()},
         }
 
