@@ -205,13 +205,13 @@ class SelectivePlan:
         skip = self.skip | self.written_into
         mutations = _Mutations()
         # The forward alone calls the policy (the recompute reads torch's record of its answers).
-        alternate = every_second_projection() if self.half else lambda op: False
+        alternate = every_second_projection() if self.half else None  # plain selective: no extra call
 
         def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> torch_checkpoint.CheckpointPolicy:
             key = (op, counts[op])
             counts[op] += 1
             mutations.wrote(op, args, kwargs)
-            if alternate(op):
+            if alternate is not None and alternate(op):
                 return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
             if getattr(op, "overloadpacket", None) in MATMUL_OPS and key not in skip:
                 saved.add(key)

@@ -111,14 +111,19 @@ def _segment(measured: Measurements, name: str, is_block: bool, not_linear: list
     )
 
 
-def _plus(fit: Fit, other: Fit) -> Fit:
-    """``fit + other`` for two fits over the same sizes (the least-squares line is linear in them)."""
+def _less(fit: Fit, other: Fit) -> Fit:
+    """``fit - other`` for two fits over the same sizes (the least-squares line is linear in them)."""
     return dataclasses.replace(
         fit,
-        intercept=fit.intercept + other.intercept,
-        slope=fit.slope + other.slope,
-        values=tuple(a + b for a, b in zip(fit.values, other.values, strict=True)),
+        intercept=fit.intercept - other.intercept,
+        slope=fit.slope - other.slope,
+        values=tuple(a - b for a, b in zip(fit.values, other.values, strict=True)),
     )
+
+
+def _refit(fit: Fit, values: Sequence[float]) -> Fit:
+    """A fit like ``fit`` (its sizes, its interpolation) through other values."""
+    return Fit.of(fit.sizes, values, interpolate=fit.interpolate)
 
 
 def fold_freed_inputs(segments: Sequence[SegmentProfile]) -> list[SegmentProfile]:
@@ -144,17 +149,16 @@ def fold_freed_inputs(segments: Sequence[SegmentProfile]) -> list[SegmentProfile
         freed = gap.costs[NONE].kept_bytes
         if not any(value < 0 for value in freed.values):
             continue
-        credits = [min(0.0, value) for value in freed.values]
-        credit = Fit.of(freed.sizes, credits, interpolate=freed.interpolate)
+        freed_input = _refit(freed, [max(0.0, -value) for value in freed.values])
+        remainder = _refit(freed, [max(0.0, value) for value in freed.values])
         own, between = block.costs[NONE], gap.costs[NONE]
+        first = own.first_kept_bytes
         own = dataclasses.replace(
             own,
-            kept_bytes=_plus(own.kept_bytes, credit),
-            first_kept_bytes=None if own.first_kept_bytes is None else _plus(own.first_kept_bytes, credit),
+            kept_bytes=_less(own.kept_bytes, freed_input),
+            first_kept_bytes=None if first is None else _less(first, freed_input),
         )
-        zero = Fit.of(freed.sizes, [max(0.0, value) for value in freed.values], interpolate=freed.interpolate)
-        between = dataclasses.replace(between, kept_bytes=zero, first_kept_bytes=None)
-        freed_input = Fit.of(freed.sizes, [-value for value in credits], interpolate=freed.interpolate)
+        between = dataclasses.replace(between, kept_bytes=remainder, first_kept_bytes=None)
         folded[index - 1] = dataclasses.replace(
             block, costs={**block.costs, NONE: own}, freed_input_bytes=freed_input
         )
