@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import resource
@@ -504,6 +505,28 @@ def _configuration(run: Run, row: dict[str, Any]) -> str:
     )
 
 
+# Each of the two settings that express torchtitan's H100 runs undone alone (the rows' peaks then).
+VARIANTS = {
+    "selective": lambda run: dataclasses.replace(run, policy="selective"),
+    "native allocator": lambda run: dataclasses.replace(run, expandable_segments=False),
+}
+
+
+def simulate_variants(runs: tuple[Run, ...], folder: Path) -> list[dict[str, Any]]:
+    """The rows with torchtitan's policy and allocator setting, each setting undone alone."""
+    varied = [run for run in runs if run.policy == "selective-half" and run.expandable_segments]
+    return [
+        {"name": run.name, "variant": name, "peak_error": simulate_run(change(run), folder)["peak_error"]}
+        for run in varied
+        for name, change in VARIANTS.items()
+    ]
+
+
+def _variant(report: dict[str, Any], name: str) -> str:
+    errors = [_percent(row["peak_error"]) for row in report["variants"] if row["variant"] == name]
+    return " and ".join(errors) if errors else "(not simulated)"
+
+
 def section(report: dict[str, Any]) -> str:
     runs = {run.name: run for run in RUNS}
     rows = []
@@ -572,10 +595,11 @@ def section(report: dict[str, Any]) -> str:
             + "torchtitan's selective rows run its op-level SAC (every second aten.mm output saved with the"
             " attention output, the other projections recomputed), simulated as microbatch's "
             "'selective-half', the same rule (checkpointing/selective.py); with microbatch's own "
-            "'selective' (every projection's output saved) the two 8B H100 rows read +14.4 % and +19.8 %."
+            "'selective' (every projection's output saved) those rows' peaks read "
+            f"{_variant(report, 'selective')}."
             " The H100 runs' launch script set expandable_segments:True, and their allocations are "
-            "replayed with it (with the native allocator's least reserved bytes they read -9.0 % and "
-            "-9.1 %: at 82 "
+            "replayed with it (with the native allocator's least reserved bytes they read "
+            f"{_variant(report, 'native allocator')}: at 82 "
             "of 95 GiB the run's allocator is not pressed, and the 8 GiB loss tensors leave a 4 GiB hole "
             "the next one cannot use). Known causes, none corrected for here: each 8B prediction includes"
             " the planner's 1 % safety margin and its 512 MiB CUDA context allowance, which torch's "
@@ -644,8 +668,10 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             rows.append(row)
+        variants = simulate_variants(runs, Path(folder))
     report: dict[str, Any] = {
         "rows": rows,
+        "variants": variants,
         "load_before": load_before,
         "load_after": _load(),
         "seconds": time.perf_counter() - began,
