@@ -246,7 +246,7 @@ def test_auto_finds_the_decoder_layers(factory: Any, prefix: str) -> None:
     assert [name for name, _ in found] == [f"{prefix}.{i}" for i in range(3)]
 
 
-@pytest.mark.parametrize("policy", ["full", "selective", "offload"])
+@pytest.mark.parametrize("policy", ["full", "selective", "selective-half", "offload"])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_checkpointing_gives_the_same_gradients(family: str, policy: str) -> None:
     model = FACTORIES[family](num_layers=3, dtype=torch.float64)
