@@ -3,7 +3,7 @@
 Each case runs the ``microbatch plan`` command end to end in a subprocess (wall and CPU seconds,
 the plan it prints), then again in this process in parts: the simulation of the profile
 (``simulate_config_profile``), and ``plan()`` on that profile, with the seconds spent in the
-policy solver (planner/solve.py) and in pricing its points (Model.price) counted apart. Beside the
+policy solver (planner/search/solve.py) and in pricing its points (Model.price) counted apart. Beside the
 plan, the same planning restricted to none and full: the selective plan is the fastest that fits
 when it is faster than every none / full plan that fits.
 
@@ -27,8 +27,9 @@ import results
 from microbatch.hf.configs import ModelSetup, simulate_config_profile
 from microbatch.memory import format_bytes
 from microbatch.memory.device_specs import device_spec
-from microbatch.planner import plan, pricing, solve
-from microbatch.planner.plans import Plan, summarize_policies
+from microbatch.planner import plan
+from microbatch.planner.result.plans import Plan, summarize_policies
+from microbatch.planner.search import pricing, solve
 
 SECTION_TITLE = "Selective at any depth"
 CASES = (
@@ -162,8 +163,9 @@ def section(report: dict[str, Any]) -> str:
     return "\n".join(
         [
             "Named architectures search none, full and selective by default: the policy solver takes a run "
-            "of identical decoder layers by the counts of each policy (planner/solve_runs.py), so 80 layers "
-            "cost 3,321 count vectors, not a search over sequences. Wall and CPU seconds are the whole "
+            "of identical decoder layers by the counts of each policy (planner/search/solve_runs.py), so 80 "
+            "layers cost 3,321 count vectors, not a search over sequences. Wall and CPU seconds are the "
+            "whole "
             "command in a subprocess (imports, simulation, planning, printing); the split beside it is a "
             "second run in this process, in CPU seconds: the simulated profile, then plan() on it, with "
             "the seconds inside the policy solver and inside pricing its points. The last two columns plan "

@@ -26,8 +26,8 @@ from microbatch.hf.configs import ModelSetup, simulate_config_profile
 from microbatch.memory import format_bytes
 from microbatch.memory.device_specs import devices
 from microbatch.planner import plan
-from microbatch.planner.plans import summarize_policies
-from microbatch.planner.ranks import accelerate_estimate, korthikanti_bytes
+from microbatch.planner.result.plans import summarize_policies
+from microbatch.planner.target.per_rank import accelerate_estimate, korthikanti_bytes
 
 SECTION_TITLE = "Plans for devices that are not here"
 MODELS = ("gpt2-medium", "llama-3.2-1b", "llama-3.1-8b")

@@ -335,7 +335,7 @@ LIBRARY_CASES: dict[str, tuple[str, str]] = {
     "out of memory in every trial with b > 1": (
         "ok: smaller micro-batches tried, b = 1 chosen",
         """
-        from microbatch.planner import trial
+        from microbatch.planner import planning as trial
         from microbatch.workload import seed_linear
         real = trial.run_trial
         def fake(w, c, **options):
@@ -353,7 +353,7 @@ LIBRARY_CASES: dict[str, tuple[str, str]] = {
         "clear error before profiling, minimum marked 'at least'",
         """
         import time
-        from microbatch.planner import trial
+        from microbatch.planner import planning as trial
         from microbatch.models.workloads import lm_varlen
         w = lm_varlen(); weights = sum(p.numel() * p.element_size() for p in w.model.parameters())
         trial.profile_workload = lambda *a, **k: verdict("silent wrong", "profiled first") or exit(0)

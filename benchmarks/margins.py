@@ -3,7 +3,7 @@ is at least that configuration (a micro-batch no smaller, no more steps).
 
 For the built-in GPT and a batch B, each configuration "micro-batch b, no checkpointing" is run as
 the planner's trial runs a window (MemoryTracker over its first two micro-batches and the optimizer
-step, planner/trial_window.py), and that peak becomes the budget of ``mb.plan(workload, batch=B,
+step, planner/proof/trial_run.py), and that peak becomes the budget of ``mb.plan(workload, batch=B,
 memory=peak)``. The table shows the plan's micro-batch x steps and policies beside b, the trials it
 needed, and whether it is at least the configuration.
 
@@ -28,10 +28,10 @@ import results
 from microbatch.memory import format_bytes
 from microbatch.models.gpt import GPTConfig
 from microbatch.models.workloads import gpt_workload
-from microbatch.planner.plans import summarize_policies
-from microbatch.planner.search import Model
-from microbatch.planner.trial_window import run_trial
-from microbatch.planner.windows import WindowSizes, describe_split
+from microbatch.planner.proof.trial_run import run_trial
+from microbatch.planner.result.plans import summarize_policies
+from microbatch.planner.search.sizes import Model
+from microbatch.planner.search.splits import WindowSizes, describe_split
 from microbatch.profile import profile_workload
 
 
@@ -66,9 +66,10 @@ def section(report: dict[str, Any]) -> str:
             "At a budget equal to the measured peak of a configuration (micro-batch b, no checkpointing, its "
             "trial-window peak), `mb.plan` chooses at least that configuration: the faster plan predicted "
             "near the budget (up to 3 % over, or tied in time and first in the tie order) gets one trial "
-            "before the safe plan (planner/choices.py), and a window that b does not divide is shared "
+            "before the safe plan (planner/proof/choices.py), and a window that b does not divide is shared "
             "evenly (64 rows in 10 steps: 7 x 4 + 6 x 6, not 7 x 9 + 1) unless the time model makes that "
-            "slower (planner/search.py). Before issue 20, at 8 x 8's peak a plan of 7 x 9 + 1 was chosen.",
+            "slower (planner/search/sizes.py). Before issue 20, at 8 x 8's peak a plan of 7 x 9 + 1 was "
+            "chosen.",
             "",
             results.markdown_table(headers, rows),
             "",

@@ -9,7 +9,7 @@ Gloo processes on this machine's CPUs run the built-in GPT cut into stages
   schedule's default scale_grads=True; all micro-batches full, as torch requires);
 - memory: float32, the same m micro-batches per step under GPipe and 1F1B: each rank's peak
   (MemoryTracker, one window and the optimizer step, the planner's trial) against the planner's
-  per-stage prediction (planner/stage_model.py);
+  per-stage prediction (planner/pipeline/stage_cost.py);
 - planned: mb.plan(..., pipeline=S) on 2 ranks (2 stages) and on 4 (2 replicas x 2 stages) for a few
   budgets: each stage's predicted and measured peak and the budget;
 - time: the planner's predicted step against the step measured on the CPU clock (each rank's actions
@@ -39,7 +39,7 @@ from microbatch.distributed.launch import launch
 from microbatch.distributed.pipeline import Pipeline
 from microbatch.memory import format_bytes
 from microbatch.models.gpt import GPT, GPTConfig, token_loss
-from microbatch.planner.pipeline_search import WINDOW_COLLECTIVES
+from microbatch.planner.pipeline.layouts import WINDOW_COLLECTIVES
 
 SECTION = "Pipeline parallelism"
 EXACT_CONFIG = GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=16)
@@ -110,10 +110,11 @@ def _relative_error(
 def _forced_plan(workload: Any, profile: Any, schedule: str, size: int, m: int, batch: int) -> Any:
     """Rank 0: the planner's plan for this (schedule, micro-batch, m), priced but not searched."""
     from microbatch import distributed
-    from microbatch.planner import pipeline_plan, pipeline_search
     from microbatch.planner.options import PlanOptions
     from microbatch.planner.outcome import PlanRequest
-    from microbatch.planner.windows import WindowSizes
+    from microbatch.planner.pipeline import choose as pipeline_plan
+    from microbatch.planner.pipeline import layouts as pipeline_search
+    from microbatch.planner.search.splits import WindowSizes
 
     with distributed.single_process():
         request = PlanRequest(workload, batch, "64GiB", PlanOptions(pipeline=2, profile=profile))
@@ -129,7 +130,7 @@ def two_rank(config: dict[str, Any]) -> dict[str, Any]:
 
     import microbatch as mb
     from microbatch.models.workloads import gpt_workload
-    from microbatch.planner.pipeline_trial import stage_peaks
+    from microbatch.planner.pipeline.on_ranks import stage_peaks
     from microbatch.profile import profile_workload
 
     workload = gpt_workload(GPTConfig(**config["gpt"]))
@@ -313,7 +314,7 @@ def _memory_lines(report: dict[str, Any]) -> list[str]:
         f"m = {config['m']} micro-batches of {config['rows']} sequences per step, both schedules. Measured: "
         "each rank's peak live tensor bytes over one window and its AdamW step, the optimizer state made "
         "before (the planner's trial on the ranks, MemoryTracker). Predicted: the planner's stage model "
-        "(planner/stage_model.py: the Profile's segments per stage, k micro-batches in flight).",
+        "(planner/pipeline/stage_cost.py: the Profile's segments per stage, k micro-batches in flight).",
         "",
         results.markdown_table(["schedule", "stage", "in flight k", "measured", "predicted"], rows),
         "",

@@ -65,7 +65,7 @@ def run_windows(plan: Any, workload: Any, windows: int) -> dict[str, Any]:
     """Every rank: the plan's pipeline for ``windows`` windows (the first one not counted)."""
     import torch.distributed as dist
 
-    from microbatch.planner.pipeline_trial import stage_optimizer
+    from microbatch.planner.pipeline.on_ranks import stage_optimizer
 
     example = torch.zeros(
         plan.micro_batch_size, *workload.make_batch(1)["input_ids"].shape[1:], dtype=torch.long

@@ -58,9 +58,9 @@ from microbatch.memory import format_bytes
 from microbatch.models.gpt import GPT
 from microbatch.models.workloads import gpt_workload
 from microbatch.planner import Plan, plan
-from microbatch.planner.plot import save_frontier_plot
-from microbatch.planner.search import Candidate, Model, search
-from microbatch.planner.trial import run_trial
+from microbatch.planner.planning import run_trial
+from microbatch.planner.result.plot import save_frontier_plot
+from microbatch.planner.search.sizes import Candidate, Model, search
 from microbatch.profile import Profile, profile_workload
 from microbatch.trees.batches import micro_batch_sizes
 from microbatch.workload import Workload

@@ -37,7 +37,7 @@ import microbatch as mb
 import results
 from microbatch.memory import format_bytes
 from microbatch.models import vision
-from microbatch.planner.search import Model
+from microbatch.planner.search.sizes import Model
 from microbatch.profile import profile_workload
 
 SECTION_TITLE = "Segmentation: auto blocks vs no checkpointing"

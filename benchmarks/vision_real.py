@@ -47,7 +47,7 @@ import results
 from microbatch.checkpointing.auto_blocks import describe_blocks
 from microbatch.errors import InfeasibleBudgetError
 from microbatch.memory import format_bytes
-from microbatch.planner.search import Model
+from microbatch.planner.search.sizes import Model
 from microbatch.profile import NONE, profile_workload
 from microbatch.trees.batches import micro_batch_sizes
 

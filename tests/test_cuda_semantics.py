@@ -14,7 +14,7 @@ from microbatch.errors import ConfigError, InfeasibleBudgetError
 from microbatch.models.gpt import GPT, GPTConfig
 from microbatch.models.workloads import VarlenTokens, gpt_loss, gpt_optimizer
 from microbatch.planner import plan
-from microbatch.planner.reserve import OUTSIDE_ALLOCATOR
+from microbatch.planner.target.reserve import OUTSIDE_ALLOCATOR
 from microbatch.workload import Workload
 
 pytestmark = [

@@ -15,8 +15,8 @@ import microbatch as mb
 from microbatch.cli import main
 from microbatch.errors import InfeasibleBudgetError, WorkloadError
 from microbatch.memory.optimizer_state import fresh_optimizer_like, optimizer_state_bytes
-from microbatch.planner import trial as trial_module
-from microbatch.planner import windows as search_module
+from microbatch.planner import planning as trial_module
+from microbatch.planner.search import splits as search_module
 from microbatch.workload import seed_linear
 
 

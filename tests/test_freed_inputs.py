@@ -20,7 +20,7 @@ import microbatch as mb
 from microbatch.hf.causal_lm import causal_lm_workload
 from microbatch.hf.configs import ModelSetup, config_workload, simulate_config_profile
 from microbatch.memory.device_specs import devices
-from microbatch.planner.stage_model import solve_stage
+from microbatch.planner.pipeline.stage_cost import solve_stage
 from microbatch.profile import NONE, profile_workload
 from microbatch.profile.costs import Fit, PolicyCost, SegmentProfile
 from microbatch.profile.simulate import simulate_profile

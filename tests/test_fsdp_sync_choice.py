@@ -8,10 +8,10 @@ import pytest
 
 import microbatch as mb
 from microbatch.memory.device_specs import devices
-from microbatch.planner.ranks import SHARDED_STEP, UNSHARDED_GRADIENTS, shard_profile
-from microbatch.planner.rules import SplitRules
-from microbatch.planner.search import search
-from microbatch.planner.sharding import rank_profile
+from microbatch.planner.search.rules import SplitRules
+from microbatch.planner.search.sizes import search
+from microbatch.planner.target.per_rank import SHARDED_STEP, UNSHARDED_GRADIENTS, shard_profile
+from microbatch.planner.target.sharding import rank_profile
 from microbatch.profile.simulate import simulate_profile
 from microbatch.workload import load_workload
 

@@ -15,10 +15,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from microbatch.hf.configs import ModelSetup, config_workload, simulate_config_profile
 from microbatch.memory.device_specs import devices
-from microbatch.planner.pipeline_search import FSDP_UNSHARDED, PipelineContext, price
-from microbatch.planner.ranks import shard_profile
-from microbatch.planner.stage_model import balanced_block_cuts, stage_parameters
-from microbatch.planner.windows import WindowSizes
+from microbatch.planner.pipeline.layouts import FSDP_UNSHARDED, PipelineContext, price
+from microbatch.planner.pipeline.stage_cost import balanced_block_cuts, stage_parameters
+from microbatch.planner.search.splits import WindowSizes
+from microbatch.planner.target.per_rank import shard_profile
 from microbatch.profile.costs import Profile
 from microbatch.profile.simulate import simulation, static_costs
 

@@ -1,5 +1,5 @@
 """The pipeline planner without processes: stage arithmetic, the per-stage solver, the plan's fields,
-its refusals, and the simulated DP x PP x FSDP plan (planner/stage_model.py, pipeline_search.py,
+its refusals, and the simulated DP x PP x FSDP plan (planner/pipeline/stage_cost.py, pipeline_search.py,
 pipeline_plan.py). The trials on real ranks: tests/distributed/test_pipeline_planned*.py."""
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ from microbatch.distributed.stage_grads import used_parameter_names
 from microbatch.errors import ConfigError
 from microbatch.models.gpt import GPT, GPTConfig, token_loss
 from microbatch.planner import PlanOptions
-from microbatch.planner.pipeline_search import micro_batch_counts
-from microbatch.planner.search import tie_fraction
-from microbatch.planner.stage_model import (
+from microbatch.planner.pipeline.layouts import micro_batch_counts
+from microbatch.planner.pipeline.stage_cost import (
     in_flight,
     least_stage,
     solve_stage,
     stage_parameters,
     stage_segments,
 )
+from microbatch.planner.search.sizes import tie_fraction
 from microbatch.profile import profile_workload
 from microbatch.profile.costs import Fit, PolicyCost, SegmentProfile
 

@@ -15,7 +15,7 @@ import pytest
 import microbatch as mb
 from microbatch import cli
 from microbatch.errors import ConfigError
-from microbatch.planner.plan_checks import MAX_PLAN_BYTES
+from microbatch.planner.result.checks import MAX_PLAN_BYTES
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

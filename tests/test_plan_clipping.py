@@ -14,9 +14,9 @@ from microbatch.errors import ConfigError
 from microbatch.models.gpt import GPTConfig
 from microbatch.models.workloads import gpt_workload, lm_varlen
 from microbatch.planner import Plan, PlanOptions, plan
-from microbatch.planner.search import Model, search
-from microbatch.planner.trial_window import run_trial
-from microbatch.planner.windows import WindowSizes
+from microbatch.planner.proof.trial_run import run_trial
+from microbatch.planner.search.sizes import Model, search
+from microbatch.planner.search.splits import WindowSizes
 from microbatch.profile import profile_workload
 
 

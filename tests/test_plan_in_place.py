@@ -105,7 +105,7 @@ def test_preserved_state_restores_an_optimizer_instance_and_grads() -> None:
 
 
 def test_profiling_extends_to_the_micro_batch_the_search_chooses(monkeypatch: pytest.MonkeyPatch) -> None:
-    from microbatch.planner import trial
+    from microbatch.planner import planning as trial
 
     profiled: list[int] = []
     original = trial.profile_workload

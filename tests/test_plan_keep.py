@@ -14,7 +14,7 @@ from microbatch import cli
 from microbatch.errors import ConfigError
 from microbatch.models.workloads import gpt_workload
 from microbatch.planner import FrontierPoint
-from microbatch.planner.text import SHOWN_FRONTIER_ROWS
+from microbatch.planner.result.text import SHOWN_FRONTIER_ROWS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -21,8 +21,8 @@ from torch import nn
 import microbatch as mb
 from microbatch.models.gpt import GPTConfig
 from microbatch.models.workloads import cnn_bn, gpt_workload
-from microbatch.planner.search import search
-from microbatch.planner.sharding import with_wide_gradients
+from microbatch.planner.search.sizes import search
+from microbatch.planner.target.sharding import with_wide_gradients
 from microbatch.profile import Profile, profile_workload
 from microbatch.workload import Workload
 

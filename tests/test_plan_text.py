@@ -11,8 +11,8 @@ import pytest
 import microbatch as mb
 from microbatch.cli import main
 from microbatch.hf.configs import ARCHITECTURES
-from microbatch.planner.plans import FrontierPoint
-from microbatch.planner.text import block_rows, frontier_rows
+from microbatch.planner.result.plans import FrontierPoint
+from microbatch.planner.result.text import block_rows, frontier_rows
 
 NONE_X4 = tuple((f"blocks.{i}", "none") for i in range(4))
 FULL_X4 = tuple((f"blocks.{i}", "full") for i in range(4))

@@ -20,8 +20,8 @@ from microbatch.models.cnn import SmallCNN
 from microbatch.models.gpt import GPTConfig
 from microbatch.models.workloads import cnn_bn, gpt_workload, lm_varlen
 from microbatch.planner import Plan, plan
-from microbatch.planner.choices import TRIAL_REACH
-from microbatch.planner.search import SAFETY_MARGIN, Model, search, tie_fraction
+from microbatch.planner.proof.choices import TRIAL_REACH
+from microbatch.planner.search.sizes import SAFETY_MARGIN, Model, search, tie_fraction
 from microbatch.profile import Fit, PolicyCost, Profile, SegmentProfile, profile_workload
 from microbatch.trees.batches import batch_size_of
 from microbatch.workload import Workload
@@ -139,7 +139,7 @@ def test_budget_below_the_weights_fails_before_profiling(monkeypatch: pytest.Mon
     def no_profiling(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("profiled although the weights alone exceed the budget")
 
-    monkeypatch.setattr("microbatch.planner.trial.profile_workload", no_profiling)
+    monkeypatch.setattr("microbatch.planner.planning.profile_workload", no_profiling)
     # AdamW keeps two moments per parameter: counted from a dry step on the meta device.
     with pytest.raises(InfeasibleBudgetError, match="before any activation") as caught:
         plan(workload, batch=8, memory=4 * weights - 1)

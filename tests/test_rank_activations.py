@@ -3,7 +3,7 @@
 Sharding divides parameters, gradients and optimizer state by the world size W; what a micro-batch
 keeps for backward is the same on every rank whatever W is. So for one micro-batch size and the
 same policies, a plan's "activations" part must read the same at W = 8 and W = 128, and on CUDA,
-where FSDP2's gradient shards stay reserved under every micro-batch (planner/ranks.py), so must
+where FSDP2's gradient shards stay reserved under every micro-batch (planner/target/per_rank.py), so must
 its peak less the parts that sharding sets (the sharded static memory and the extras it adds).
 Off CUDA the peak is of live tensors: at the top of a window's first backward no gradient is.
 """
@@ -17,8 +17,8 @@ import pytest
 
 from microbatch.hf.configs import ModelSetup, simulate_config_profile
 from microbatch.memory.device_specs import devices
-from microbatch.planner.pricing import Model
-from microbatch.planner.ranks import HELD_SHARDS, shard_profile
+from microbatch.planner.search.pricing import Model
+from microbatch.planner.target.per_rank import HELD_SHARDS, shard_profile
 from microbatch.profile.costs import Profile
 from microbatch.workload import Workload
 from test_mixed_precision import TINY  # the tiny Llama config both files simulate

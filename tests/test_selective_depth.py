@@ -8,7 +8,7 @@ import pytest
 
 from microbatch.memory.device_specs import devices
 from microbatch.planner import plan
-from microbatch.planner.search import search, tie_fraction
+from microbatch.planner.search.sizes import search, tie_fraction
 
 pytest.importorskip("transformers")
 

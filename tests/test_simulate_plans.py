@@ -12,7 +12,7 @@ from microbatch.cli import main
 from microbatch.errors import ConfigError, InfeasibleBudgetError
 from microbatch.memory.device_specs import devices
 from microbatch.planner import plan
-from microbatch.planner.ranks import accelerate_estimate, korthikanti_bytes, shard_profile
+from microbatch.planner.target.per_rank import accelerate_estimate, korthikanti_bytes, shard_profile
 from microbatch.profile.simulate import simulate_profile
 from microbatch.workload import load_workload
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from microbatch.errors import ConfigError
-from microbatch.planner import solve, solve_runs
-from microbatch.planner.windows import candidate_sizes
+from microbatch.planner.search import solve, solve_runs
+from microbatch.planner.search.splits import candidate_sizes
 from microbatch.trees.batches import micro_batch_sizes
 
 # Whole-number seconds keep every sum exact, so "equal time" means equal.
@@ -96,6 +96,40 @@ def test_thinned_solver_stays_within_capacity(chain: list[solve.Segment], capaci
     if found is not None:
         assert found.peak_bytes <= capacity
         assert found == solve.evaluate(chain, found.choice)
+
+
+@settings(max_examples=200, deadline=None)
+@given(chain=chains, capacity=st.integers(0, 6000), max_states=st.integers(1, 4))
+def test_thinning_gives_up_at_most_its_proven_bytes(
+    chain: list[solve.Segment], capacity: int, max_states: int
+) -> None:
+    # thinning.py's bound: thinned T times with buckets of at most w bytes, the solver is no slower
+    # than the exact optimum at capacity C - T (w - 1). Here every group may thin (T <= segments) and
+    # a bucket is at most ceil((P range + 1) / max_states) wide, P range <= the sum of the largest kept.
+    found = solve.solve(chain, capacity, max_states=max_states)
+    widest = math.ceil((sum(max(o.kept_bytes for o in s.options) for s in chain) + 1) / max_states)
+    exact = brute_force(chain, capacity - len(chain) * (widest - 1))
+    if exact is not None:
+        assert found is not None
+        assert found.extra_seconds <= exact.extra_seconds
+    least = solve.minimum_peak(chain)  # thinned at the default budget: exact for chains this short
+    assert least.peak_bytes == min(s.peak_bytes for s in all_choices(chain))
+
+
+def test_every_policy_solver_thins_by_the_one_rule() -> None:
+    # The chain's solvers and the pipeline's stage solvers bound their state sets by thinning.thin.
+    import inspect
+
+    from microbatch.planner.pipeline import stage_cost
+    from microbatch.planner.search import thinning
+
+    for module in (solve, stage_cost):
+        assert "thinning import thin" in inspect.getsource(module)
+    assert thinning.thin([3, 1, 2], 5, kept_bytes=lambda s: s, rank=lambda s: (s,), solver="t") == [3, 1, 2]
+    # Buckets of kept bytes [0, 2), [2, 4), [4, 6): the least rank of each.
+    states = [(0, 9.0), (1, 1.0), (2, 5.0), (3, 2.0), (4, 0.5), (5, 7.0)]
+    kept = thinning.thin(states, 3, kept_bytes=lambda s: s[0], rank=lambda s: (s[1],), solver="t")
+    assert kept == [(1, 1.0), (3, 2.0), (4, 0.5)]
 
 
 def test_checkpointing_the_last_block_never_helps() -> None:

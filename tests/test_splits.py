@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 import microbatch as mb
 from microbatch.models.gpt import GPTConfig
 from microbatch.models.workloads import gpt_workload
-from microbatch.planner.search import Model
-from microbatch.planner.trial_window import run_trial
-from microbatch.planner.windows import WindowSizes, describe_split
+from microbatch.planner.proof.trial_run import run_trial
+from microbatch.planner.search.sizes import Model
+from microbatch.planner.search.splits import WindowSizes, describe_split
 from microbatch.profile import Profile, profile_workload
 from microbatch.workload import Workload
 

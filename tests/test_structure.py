@@ -249,3 +249,65 @@ def test_no_public_name_shadows_a_module() -> None:
             if f"{module}.{name}" in _MODULES and not isinstance(getattr(face, name), type(face)):
                 shadowed.append(f"{module}.{name}")
     assert not shadowed, f"public names that hide a module of the same name: {shadowed}"
+
+
+# ---------------------------------------------------------------------- the planner's rooms
+
+# planner/'s rooms, lowest first: each may import only the rooms before it (and itself). A room is
+# a sub-package or a top-level module of planner/.
+PLANNER_ROOMS = [
+    "search",       # sizes, the peak and time model, the per-block policy solver
+    "result",       # the Plan value: its checks, text, plot, apply
+    "options",      # PlanOptions
+    "target",       # per-rank memory, simulated devices, the reserve outside the model
+    "refusals",     # what the planner refuses
+    "proof",        # the trial window, prove(), which plan to try next
+    "outcome",      # the request and the Plan made of a chosen candidate
+    "pipeline",     # plan(..., pipeline=S)
+    "planning",     # plan()
+    "cached_plan",  # plan_cached()
+]  # fmt: skip
+MAX_PLANNER_ENTRIES = 12
+
+
+def _planner_room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "planner" else None
+
+
+def test_the_planner_has_few_rooms_each_importing_only_lower_ones() -> None:
+    planner = SOURCE / "planner"
+    entries = sorted(p.name for p in planner.iterdir() if p.name != "__pycache__")
+    assert len(entries) <= MAX_PLANNER_ENTRIES, f"planner/ has {len(entries)} entries: {entries}"
+    rooms = {p.stem for p in planner.iterdir() if p.name not in ("__init__.py", "__pycache__")}
+    assert rooms == set(PLANNER_ROOMS), f"rooms not in PLANNER_ROOMS: {rooms ^ set(PLANNER_ROOMS)}"
+    wrong = []
+    for _, path in _modules():
+        module = _module_name(path)
+        room = _planner_room(module)
+        if room is None:
+            continue
+        allowed = set(PLANNER_ROOMS[: PLANNER_ROOMS.index(room) + 1])
+        wrong += [
+            f"{module} -> {t}"
+            for t in sorted(_imports(path))
+            if _planner_room(t) is not None and _planner_room(t) not in allowed
+        ]
+    assert not wrong, "planner rooms importing higher ones (PLANNER_ROOMS):\n" + "\n".join(wrong)
+
+
+def test_sub_packages_say_what_they_own_and_may_import() -> None:
+    for face in sorted(SOURCE.glob("*/*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(face.read_text()))
+        assert doc and "May import" in doc, f"{face.relative_to(SOURCE)}: say what it owns and may import"
+
+
+def test_no_two_modules_share_a_file_name() -> None:
+    # A module's name says what it holds; two unrelated jobs under one name (three tokens.py, a
+    # pipeline.py that was the run's flow) make a reader open the wrong file.
+    seen: dict[str, list[str]] = {}
+    for name, path in _modules():
+        if path.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(path.name, []).append(name)
+    shared = {file: names for file, names in seen.items() if len(names) > 1}
+    assert not shared, f"modules sharing a file name: {shared}"

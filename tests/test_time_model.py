@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from microbatch.checkpointing.api import find_blocks
 from microbatch.errors import ConfigError
 from microbatch.memory.device_specs import DeviceSpec, devices
-from microbatch.planner.search import Model
+from microbatch.planner.search.sizes import Model
 from microbatch.profile import NONE, Fit, PolicyCost, Profile, SegmentProfile, profile_workload
 from microbatch.profile.assemble import fastest_runs
 from microbatch.profile.clocks import clock_for

@@ -13,8 +13,8 @@ from microbatch.models.corpus import IGNORE_INDEX, PAD_TOKEN
 from microbatch.models.gpt import GPTConfig
 from microbatch.models.workloads import gpt_loss, gpt_workload
 from microbatch.planner import plan
-from microbatch.planner.search import search
-from microbatch.planner.tokens import token_budget
+from microbatch.planner.result.token_budget import token_budget
+from microbatch.planner.search.sizes import search
 from microbatch.profile import profile_workload
 from microbatch.workload import Workload, seed_linear
 

@@ -15,8 +15,8 @@ import torch
 
 from microbatch import cli
 from microbatch.errors import ConfigError
+from microbatch.training.max_tokens import parse_max_tokens, resolve_max_tokens
 from microbatch.training.run_folder import load_checkpoint
-from microbatch.training.tokens import parse_max_tokens, resolve_max_tokens
 
 NANO = ("--model", "gpt-nano", "--batch", "8", "--micro-batch", "2", "--no-progress")
 

@@ -32,7 +32,7 @@ from .errors import (
 )
 from .memory import DeviceSpec, MemoryTracker, devices, format_bytes, parse_bytes
 from .planner import Plan, plan
-from .planner.cached import CachedPlan, plan_cached
+from .planner.cached_plan import CachedPlan, plan_cached
 from .verification import VerifyReport, verify
 from .workload import Workload, load_workload
 

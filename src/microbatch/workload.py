@@ -42,7 +42,8 @@ class Workload:
         steps an instance: it steps a fresh one of the same class and parameter-group hyperparameters.
     max_length: set when samples vary in length (at most ``max_length`` tokens) and ``make_batch(b)``
         pads b rows to ``max_length`` (the worst case): the planner then also reports a token budget,
-        ``Plan.max_tokens``, for micro-batches split with ``split_by_tokens`` (see planner/tokens.py).
+        ``Plan.max_tokens``, for micro-batches split with ``split_by_tokens``
+        (see planner/result/token_budget.py).
     pipeline_inputs, pipeline_loss: what ``plan(..., pipeline=S)`` and its trial on the ranks need to
         cut the model into stages: ``pipeline_inputs(batch) -> (inputs, labels)`` (the one tensor the
         first stage takes, the labels the last stage's loss takes) and

@@ -18,7 +18,7 @@ import microbatch as mb
 from microbatch import distributed
 from microbatch.distributed.pipeline import Pipeline
 from microbatch.models.gpt import GPT, GPTConfig, token_loss
-from microbatch.planner.pipeline_apply import stage_checkpointer
+from microbatch.planner.result.pipeline_build import stage_checkpointer
 from microbatch.profile import profile_workload
 
 PLAN_CONFIG = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16)

@@ -15,7 +15,7 @@ import torch
 
 import microbatch as mb
 from microbatch.distributed.launch import launch
-from microbatch.planner.ranks import UNSHARDED_GRADIENTS
+from microbatch.planner.target.per_rank import UNSHARDED_GRADIENTS
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -17,10 +17,10 @@ from ..hf.configs import (
 )
 from ..memory.device_specs import device_spec, devices
 from ..planner import plan
-from ..planner.applying import GRADIENT_SYNCS
 from ..planner.options import SHARDS
-from ..planner.plot import save_frontier_plot
-from ..planner.simulated import target_budget
+from ..planner.result.applying import GRADIENT_SYNCS
+from ..planner.result.plot import save_frontier_plot
+from ..planner.target.simulated import target_budget
 from .models import load_named_workload, model_help
 from .output import dumps
 from .progress import PlanningBar
@@ -161,7 +161,7 @@ def _architecture(args: argparse.Namespace, policies: list[str] | None, progress
     target_budget(args.memory, spec, None)  # a budget the preset cannot hold: refused before simulating
     per_rank = max(1, args.batch // max(1, args.world_size // max(1, args.pipeline)))
     # policies=None: none, full and selective (the simulated profiler's default). The solver takes
-    # the identical layers by counts of each policy (planner/solve_runs.py), so depth costs little.
+    # the identical layers by counts of each policy (planner/search/solve_runs.py), so depth costs little.
     # The runs are of a three-layer copy, not the plan's memory: their allocator replays are
     # estimates (profile/reserved.py), with no capacity set.
     return simulate_config_profile(

@@ -16,10 +16,10 @@ from ..models.gpt import GPT_SIZES
 from ..planner import Plan
 from ..training import DEFAULT_CPU_MEMORY, StepReport, TrainConfig, resume_config, train
 from ..training.config import CHECKPOINT_POLICIES, DEFAULT_MAX_SKIPPED_WINDOWS, LR_SCALINGS, PRECISIONS
-from ..training.plan import CUDA_FREE_MEMORY_FRACTION
+from ..training.max_tokens import parse_max_tokens
 from ..training.run_folder import latest_run_dir
+from ..training.run_plan import CUDA_FREE_MEMORY_FRACTION
 from ..training.signals import exit_status
-from ..training.tokens import parse_max_tokens
 from .output import dumps
 from .progress import PlanningBar
 

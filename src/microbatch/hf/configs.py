@@ -29,7 +29,7 @@ from torch import nn
 
 from ..errors import ConfigError, WorkloadError
 from ..memory.device_specs import DeviceSpec
-from ..planner.plan_checks import read_plan_file
+from ..planner.result.checks import read_plan_file
 from ..profile.costs import Profile
 from ..profile.cuda_autocast import simulating_cuda
 from ..profile.measure import ProgressFn

@@ -47,8 +47,9 @@ def fsdp_mixed_profile(profile: Profile) -> Profile:
 
     FSDP2 with ``param_dtype=bf16`` all-gathers each block's fp32 shards as bf16 parameters and
     runs the block in bf16 (no autocast, so no cached bf16 copy of every weight is kept for
-    backward: the gathered parameters are freed after the block, counted by ranks.py as the blocks
-    in flight). With ``reduce_dtype=fp32`` the block's gradients are reduce-scattered, and summed
+    backward: the gathered parameters are freed after the block, counted by
+    planner/target/per_rank.py as the blocks in flight). With ``reduce_dtype=fp32`` the block's
+    gradients are reduce-scattered, and summed
     across micro-batches, in fp32 onto the fp32 shards: the segments' gradient bytes, simulated in
     bf16, are doubled (4 B / 2 B). Parameters, gradients, AdamW state and the step's temporaries
     come from the full fp32 model.

@@ -1,13 +1,19 @@
 """The planner: micro-batch size, accumulation steps and a checkpoint policy per block for a budget.
 
-    profile (microbatch.profile)  ->  search (solve per micro-batch size)  ->  trial  ->  Plan
+    profile (microbatch.profile) -> search/ (sizes x policies, priced) -> proof/ (one real window) -> Plan
 
-``solve``: the exact per-size policy problem. ``search``: the peak and time model and the search
-over micro-batch sizes. ``plans``: the Plan result, ``Plan.apply``, ``Plan.manual``, save / load.
-``options``: PlanOptions, plan()'s options with their defaults and checks. ``trial``: ``plan()``,
-which profiles, searches, proves the choice in one real window and re-plans when it does not fit.
-``applying``: what ``Plan.apply`` holds to (options that change memory, wrapped models).
-``proof``: ``prove``, one trial window for a plan made elsewhere (loaded, manual, sharded: on every rank).
+Its rooms, lowest first (tests/test_structure.py holds the order: a room imports only rooms before it):
+
+    search/        which micro-batch sizes, the peak and time model, the per-block policy solver
+    result/        the Plan value: Plan, its checks when loaded, its text and plot, Plan.apply
+    options.py     PlanOptions: plan()'s options with their defaults and checks
+    target/        where the plan runs: per-rank memory (DDP / FSDP2), simulated devices, the reserve
+    refusals.py    what the planner refuses, and how it says so
+    proof/         the trial: one real window under the tracker; which plan to try next
+    outcome.py     what plan() is asked and the Plan made of the chosen candidate
+    pipeline/      plan(..., pipeline=S): stages, schedule, cuts, the trial on every rank
+    planning.py    plan(): profile, search, prove, re-plan until it fits
+    cached_plan.py plan_cached(): gradient caching's encode micro-batch for a budget
 
 May import: ``errors``, ``trees``, ``memory``, ``workload``, ``distributed``, ``accumulate``,
 ``checkpointing``, ``profile``; it reaches the model only through the profile and the trial.
@@ -17,8 +23,8 @@ Never training, hf or the commands.
 from __future__ import annotations
 
 from .options import PlanOptions
-from .plans import FrontierPoint, Plan
-from .proof import prove
-from .trial import plan
+from .planning import plan
+from .proof.prove import prove
+from .result.plans import FrontierPoint, Plan
 
 __all__ = ["FrontierPoint", "Plan", "PlanOptions", "plan", "prove"]

@@ -19,7 +19,7 @@ import torch
 from ..checkpointing.api import BlockSpec
 from ..errors import ConfigError
 from ..profile import Profile, ProgressFn
-from .applying import GRADIENT_SYNCS
+from .result.applying import GRADIENT_SYNCS
 
 DEFAULT_MAX_TRIALS = 6
 DEFAULT_MAX_PROFILE_SIZE = 16
@@ -54,25 +54,25 @@ class PlanOptions:
     # With world_size > 1 the plan counts DDP's gradient buckets, a second copy of the gradients,
     # unless DDP will run with gradient_as_bucket_view=True.
     gradient_as_bucket_view: bool = False
-    # How the batch may be split (planner/rules.py).
+    # How the batch may be split (planner/search/rules.py).
     min_micro_batch_size: int = 1
     even: bool = False
     prefer_large_micro_batches: bool = False
     # A torch device (profile there for real) or a DeviceSpec / preset name (simulate).
     device: Any = None
-    # Predict under fake tensors, no kernel run and no trial (planner/simulated.py).
+    # Predict under fake tensors, no kernel run and no trial (planner/target/simulated.py).
     simulate: bool = False
-    # none, ddp or fsdp across world_size ranks (per-rank memory, planner/ranks.py).
+    # none, ddp or fsdp across world_size ranks (per-rank memory, planner/target/per_rank.py).
     shard: str = "none"
     # Options that change memory, so the profile and the trial run with them and plan.apply holds to
-    # them (planner/applying.py): low-precision gradients summed in this dtype (Accumulator's
+    # them (planner/result/applying.py): low-precision gradients summed in this dtype (Accumulator's
     # accumulate_dtype), a GradScaler stepping the window, and under shard="fsdp" the gradient sync:
     # "window" (reduce-scatter once, unsharded gradients held), "micro-batch" (every backward), or
-    # None: the faster plan that fits of the two (planner/ranks.py).
+    # None: the faster plan that fits of the two (planner/target/per_rank.py).
     accumulate_dtype: torch.dtype | None = None
     scaler: bool = False
     gradient_sync: str | None = None
-    # Pipeline stages (planner/pipeline_plan.py): world_size is then every rank (1: the S ranks of one
+    # Pipeline stages (planner/pipeline/choose.py): world_size is then every rank (1: the S ranks of one
     # replica), cut into world_size / pipeline data-parallel replicas of ``pipeline`` stages; the
     # planner chooses the schedule (or takes ``pipeline_schedule``: "1f1b" or "gpipe"), the
     # micro-batches per pipeline step, where to cut and a policy per block.

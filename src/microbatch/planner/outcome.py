@@ -10,17 +10,17 @@ from dataclasses import dataclass
 from ..memory.device_specs import DeviceSpec
 from ..profile import Profile
 from ..workload import Workload
-from .applying import dtype_name
 from .options import PlanOptions
-from .plans import FrontierPoint, Plan, summarize_policies
-from .reserve import BudgetReserve
-from .rules import SplitRules, batchnorm_note
-from .search import Candidate, SearchResult
-from .simulated import finish
-from .tokens import token_budget
-from .trial_window import TrialResult
+from .proof.trial_run import TrialResult
+from .result.applying import dtype_name
+from .result.plans import FrontierPoint, Plan, summarize_policies
+from .result.token_budget import token_budget
+from .search.rules import SplitRules, batchnorm_note
+from .search.sizes import Candidate, SearchResult
+from .target.reserve import BudgetReserve
+from .target.simulated import finish
 
-logger = logging.getLogger("microbatch.planner.trial")  # plan()'s log, documented under this name
+logger = logging.getLogger("microbatch.planner.planning")  # plan()'s log, documented under this name
 
 
 @dataclass(frozen=True)

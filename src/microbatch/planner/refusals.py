@@ -12,10 +12,10 @@ from ..memory.optimizer_state import optimizer_state_bytes
 from ..profile import Profile
 from ..trees.batches import batch_size_of, tensor_bytes
 from ..workload import Workload
-from .plans import summarize_policies
-from .reserve import BudgetReserve, with_reserve
-from .search import Candidate, SearchResult
-from .windows import MAX_STEPS_PER_WINDOW
+from .result.plans import summarize_policies
+from .search.sizes import Candidate, SearchResult
+from .search.splits import MAX_STEPS_PER_WINDOW
+from .target.reserve import BudgetReserve, with_reserve
 
 
 def static_message(profile: Profile, budget_bytes: int) -> str | None:

@@ -23,7 +23,7 @@ def chain_peak(parts: Sequence[tuple[float, float]]) -> float:
 
     Segment k peaks at peak_k above what the segments before it keep saved for backward, P_{k-1} =
     kept_1 + ... + kept_{k-1}; the chain's peak is max_k (P_{k-1} + peak_k). The one definition:
-    the profile's slack and the planner's solver (planner/solve.py) both evaluate it here.
+    the profile's slack and the planner's solver (planner/search/solve.py) both evaluate it here.
     """
     kept, peak = 0.0, 0.0
     for kept_bytes, peak_bytes in parts:
@@ -254,7 +254,7 @@ class Profile:
     # param_dtype: 2 for bf16), or None: their own dtype's.
     gather_itemsize: int | None = None
     # True when the gradients' bytes stay held between windows, so that even a window's first
-    # micro-batch runs with all of them under it (FSDP2's gradient shards: planner/ranks.py).
+    # micro-batch runs with all of them under it (FSDP2's gradient shards: planner/target/per_rank.py).
     gradients_held: bool = False
 
     def reserved_overhead(self, micro_batch_size: float) -> int:

@@ -2,7 +2,7 @@
 
     train(TrainConfig(...), progress=callback) -> TrainSummary
 
-One run, from top to bottom (pipeline.py): check the config; open the run folder (or the
+One run, from top to bottom (flow.py): check the config; open the run folder (or the
 checkpoint to resume); make the plan (``microbatch.planner.Plan``: from the planner, from
 ``micro_batch`` via ``Plan.manual``, or from a saved plan file); build the session; train with
 the Accumulator, one optimizer step per window of micro-batches, evaluating at intervals; write
@@ -26,15 +26,16 @@ on its own data stream, rank 0 alone plans, writes files and reports progress.
 
     config.py      TrainConfig, its checks, lr / weight-decay / accumulation schedules
     start.py       open a new run folder or a checkpoint to resume
-    plan.py        device, memory budget, the run's Plan
-    ranks.py       rank 0 decides, every rank gets the result
+    run_plan.py    device, memory budget, the run's Plan (rank 0 decides: distributed.decided_on_rank_zero)
+    max_tokens.py  --max-tokens: micro-batches by padded tokens
     session.py     the live objects, the plan applied, checkpoint save / restore
     loop.py        the windows: evaluation, checkpoints, OOM recovery, skipped-step guard
     signals.py     SIGINT / SIGTERM / SIGHUP / ...: stop at a window boundary
     ownership.py   the run folder's marker and lock, folder names that never collide
-    report.py      StepReport, TrainSummary
+    summary.py     StepReport, TrainSummary
     run_folder.py  atomic writes, checkpoint files, metrics, loss.png
-    pipeline.py    train(): the steps above in order
+    flow.py        train(): the steps above in order
+    pipelined.py   --pipeline S: the run's windows through pipeline stages
 
 May import every layer below it (``planner``, ``profile``, ``checkpointing``, ``accumulate``,
 ``distributed``, ``memory``, ``trees``, ``workload``, ``errors``) and ``models``; never ``commands``.
@@ -43,10 +44,10 @@ May import every layer below it (``planner``, ``profile``, ``checkpointing``, ``
 from __future__ import annotations
 
 from .config import TrainConfig, lr_factor, scaled_hyperparameters
-from .pipeline import train
-from .plan import DEFAULT_CPU_MEMORY, memory_budget_bytes
-from .report import StepReport, TrainSummary
+from .flow import train
 from .run_folder import latest_run_dir, load_checkpoint, resume_config
+from .run_plan import DEFAULT_CPU_MEMORY, memory_budget_bytes
+from .summary import StepReport, TrainSummary
 
 __all__ = [
     "DEFAULT_CPU_MEMORY",

@@ -17,7 +17,7 @@ from ..accumulate import schedules
 from ..errors import ConfigError, WorkloadError
 from ..models.corpus import DEFAULT_MAX_BYTES
 from ..models.gpt import GPT_SIZES, gpt_config
-from .tokens import parse_max_tokens
+from .max_tokens import parse_max_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class TrainConfig:
     checkpoint_interval: int | None = None
     corpus_bytes: int = DEFAULT_MAX_BYTES
     device: str | None = None
-    max_tokens: str | int | None = "auto"  # micro-batches by padded tokens (training/tokens.py)
+    max_tokens: str | int | None = "auto"  # micro-batches by padded tokens (training/max_tokens.py)
     micro_batch: int | None = None
     plan: str | None = None
     trial: bool = True

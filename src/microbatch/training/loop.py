@@ -36,12 +36,12 @@ from ..memory.oom import free_memory, is_out_of_memory
 from ..models.workloads import gpt_loss
 from ..trees.batches import batch_size_of, move_batch, split_batch
 from . import pipelined
-from .plan import plan_without, planning_workload
-from .report import StepReport
+from .max_tokens import split_window
 from .run_folder import METRICS_FILE, append_line
+from .run_plan import plan_without, planning_workload
 from .session import Session, accumulator, release_plan, save, storage_error, use_plan
 from .signals import StopFlag
-from .tokens import split_window
+from .summary import StepReport
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def _window_batches(session: Session) -> list[dict[str, torch.Tensor]]:
     window are small (batch x block_size int64) next to the activations of one micro-batch. They stay
     where they were drawn (the host); ``_fed`` moves each micro-batch to the device when its turn
     comes, so an accelerator holds one micro-batch's inputs, as the plan counts. (On the CPU the
-    window's inputs share the training memory: the plan sets them aside, training/plan.py.)
+    window's inputs share the training memory: the plan sets them aside, training/run_plan.py.)
     """
     acc, token_steps = accumulator(session), session.token_steps
     steps = token_steps.row_steps(acc.window) if token_steps else acc.steps_for(acc.window)

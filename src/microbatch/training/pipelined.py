@@ -31,8 +31,8 @@ from ..memory import parse_bytes
 from ..models.gpt import GPT, token_loss
 from ..models.workloads import IGNORE_INDEX, gpt_optimizer
 from ..planner import Plan, plan
-from ..planner.pipeline_plan import with_trial
-from ..planner.pipeline_trial import stage_peaks
+from ..planner.pipeline.choose import with_trial
+from ..planner.pipeline.on_ranks import stage_peaks
 from ..trees.batches import move_batch, split_batch
 from ..workload import Workload
 from .config import PRECISIONS

@@ -24,6 +24,7 @@ from ..models.workloads import build_seeded, gpt_optimizer
 from ..planner import Plan
 from . import pipelined
 from .config import PRECISIONS, TrainConfig, accumulation_schedule, lr_factor, scaled_hyperparameters
+from .max_tokens import TokenSteps, resolve_max_tokens
 from .run_folder import (
     CHECKPOINT_FILE,
     CHECKPOINT_FORMAT,
@@ -32,7 +33,6 @@ from .run_folder import (
     atomic_write,
     read_metrics,
 )
-from .tokens import TokenSteps, resolve_max_tokens
 
 
 @dataclass
@@ -58,7 +58,9 @@ class Session:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     replans: int = 0
     documents: tuple[bytes, ...] = ()  # the training documents (the planner draws its own batches)
-    token_steps: TokenSteps | None = None  # set when micro-batches are split by tokens (training/tokens.py)
+    token_steps: TokenSteps | None = (
+        None  # set when micro-batches are split by tokens (training/max_tokens.py)
+    )
     eval_rows: int | None = None  # validation sequences per forward after an evaluation OOM (loop.py)
     pipeline: Any = None  # a distributed.Pipeline under --pipeline S (pipelined.py); then no Accumulator
 

@@ -16,7 +16,7 @@ Diagnostics explain a difference instead of just reporting it: randomness, item 
 a loss that miscounts its items, samples coupled within a batch, precision.
 
 Here: the arguments, the default tolerance, and the order of the passes. The passes and the
-comparison: passes.py; the diagnostics: diagnostics.py (precision: precision.py);
+comparison: passes.py; the diagnostics: diagnostics.py (precision: tolerances.py);
 the report: report.py.
 """
 
@@ -46,8 +46,8 @@ from .passes import (
     run_full_batch,
     run_per_micro_batch,
 )
-from .precision import Finding, compute_dtype_finding, wide_accumulation_finding
 from .report import Diagnostic, ParameterDifference, VerifyReport
+from .tolerances import Finding, compute_dtype_finding, wide_accumulation_finding
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def verify(
     the batch's floating tensors are cast too). ``rtol`` bounds max|a - G| / max|G| (default by dtype,
     see DEFAULT_RTOL). The workload's model, its modes and the global RNG are left untouched.
     ``autocast`` (torch.bfloat16 / torch.float16) runs the loss under torch.autocast; autocast inside the
-    loss is detected. Either way the default rtol comes from the compute dtype (verification/precision.py).
+    loss is detected. Either way the default rtol comes from the compute dtype (verification/tolerances.py).
     """
     _check_arguments(workload, batch, steps, rtol)
     device = workload.device
