@@ -80,7 +80,43 @@ EDITS: dict[str, tuple[dict[str, Any], str]] = {
         "frontier[0].policies['a']",
     ),
     "notes not strings": ({"notes": [1]}, "notes"),
+    # The options Plan.apply turns into the Accumulator's behaviour (issue 31).
+    "accumulate_dtype typo": ({"accumulate_dtype": "bfloat"}, "accumulate_dtype"),
+    "accumulate_dtype integer": ({"accumulate_dtype": "int32"}, "accumulate_dtype"),
+    "accumulate_dtype number": ({"accumulate_dtype": 32}, "accumulate_dtype"),
+    "gradient_sync unknown": ({"gradient_sync": "every-micro-batch"}, "gradient_sync"),
+    "scaler as a word": ({"scaler": "no"}, "scaler"),
+    "scaler as a number": ({"scaler": 0}, "scaler"),
+    "max_grad_norm negative": ({"max_grad_norm": -1.0}, "max_grad_norm"),
+    "max_grad_norm string": ({"max_grad_norm": "1.0"}, "max_grad_norm"),
+    "simulated as a word": ({"simulated": "yes"}, "simulated"),
+    "source unknown": ({"source": "guess"}, "source"),
+    "max_tokens zero": ({"max_tokens": 0}, "max_tokens"),
+    "parameters negative": ({"parameters": -1}, "parameters"),
 }
+
+# Fields a plan file carries that are computed from the others, never loaded back.
+DERIVED_FIELDS = {"samples_per_second"}
+
+
+def test_every_field_of_a_saved_plan_is_checked(tmp_path: Path, plan_data: dict[str, Any]) -> None:
+    # Any field given a value of no type it can take (a JSON object where a scalar or list belongs,
+    # a list where an object belongs) is refused by name: nothing reaches apply unchecked.
+    path = tmp_path / "plan.json"
+    unchecked = []
+    for field, value in plan_data.items():
+        if field in DERIVED_FIELDS:
+            continue
+        wrong: Any = [["not", "a", "table"]] if isinstance(value, dict) else {"not": "a value"}
+        path.write_text(json.dumps({**plan_data, field: wrong}))
+        try:
+            mb.Plan.load(path)
+        except ConfigError as error:
+            if f"field {field}" not in str(error) and field not in str(error):
+                unchecked.append(f"{field}: {error}")
+        else:
+            unchecked.append(f"{field}: loaded")
+    assert not unchecked, unchecked
 
 
 @pytest.mark.parametrize("edit", list(EDITS))

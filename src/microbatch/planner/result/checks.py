@@ -21,8 +21,11 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from ...checkpointing.api import POLICIES
 from ...errors import ConfigError
+from .applying import GRADIENT_SYNCS
 
 MAX_PLAN_BYTES = 16 * 1024 * 1024  # a plan with a frontier of 50,000 points is about 13 MiB
 KNOWN_POLICIES = frozenset({"none", *POLICIES})
@@ -170,7 +173,7 @@ def _frontier(data: Mapping[str, Any]) -> None:
 
 def _labels(data: Mapping[str, Any]) -> None:
     for field, known in (("shard", SHARDS), ("source", SOURCES)):
-        if field in data and data[field] not in known:
+        if field in data and (not isinstance(data[field], str) or data[field] not in known):
             raise _refuse(field, data[field], f"not one of {', '.join(sorted(known))}")
     for field in ("workload", "device_name"):
         if field in data and not isinstance(data[field], str):
@@ -187,6 +190,21 @@ def _labels(data: Mapping[str, Any]) -> None:
     notes = data.get("notes", [])
     if not isinstance(notes, list) or not all(isinstance(note, str) for note in notes):
         raise _refuse("notes", notes, "not a list of strings")
+
+
+def _memory_options(data: Mapping[str, Any]) -> None:
+    """The options ``Plan.apply`` turns into the Accumulator's behaviour (applying.py holds to them)."""
+    wide = data.get("accumulate_dtype")
+    if wide is not None and not (
+        isinstance(wide, str)
+        and isinstance(getattr(torch, wide, None), torch.dtype)
+        and getattr(torch, wide).is_floating_point
+    ):
+        raise _refuse("accumulate_dtype", wide, "not a floating dtype name such as 'float32' (or null)")
+    if "scaler" in data and not isinstance(data["scaler"], bool):
+        raise _refuse("scaler", data["scaler"], "not true or false")
+    if "gradient_sync" in data and data["gradient_sync"] not in GRADIENT_SYNCS:
+        raise _refuse("gradient_sync", data["gradient_sync"], f"not one of {', '.join(GRADIENT_SYNCS)}")
 
 
 PIPELINE_SCHEDULES = frozenset({"gpipe", "1f1b", "interleaved-1f1b"})
@@ -206,28 +224,26 @@ def _pipeline(data: Mapping[str, Any]) -> None:
     starts = data.get("stage_starts", [])
     if not isinstance(starts, list) or not all(isinstance(name, str) and name for name in starts):
         raise _refuse("stage_starts", starts, "not a list of block names")
-    if stages == 1:
-        if starts or data.get("pipeline_schedule", "") or data.get("pipeline_micro_batches", 0):
-            raise _refuse("pipeline_stages", stages, "1 while the plan names pipeline fields")
-        return
-    if len(starts) not in (0, stages - 1) or len(set(starts)) != len(starts):
-        raise _refuse(
-            "stage_starts", starts, f"not {stages - 1} distinct block names for {stages} stages, nor []"
-        )
-    if data.get("pipeline_schedule") not in PIPELINE_SCHEDULES:
-        raise _refuse(
-            "pipeline_schedule",
-            data.get("pipeline_schedule"),
-            f"not one of {', '.join(sorted(PIPELINE_SCHEDULES))}",
-        )
-    micro_batches = whole(data, "pipeline_micro_batches", minimum=1)
-    if micro_batches > whole(data, "steps", minimum=1):
-        raise _refuse("pipeline_micro_batches", micro_batches, "more than the window's micro-batches (steps)")
     for field in ("stage_peak_bytes", "measured_stage_peak_bytes"):
         _byte_list(data, field, stages)
     bubble = data.get("bubble_fraction", 0.0)
     if isinstance(bubble, bool) or not isinstance(bubble, (int, float)) or not 0 <= bubble < 1:
         raise _refuse("bubble_fraction", bubble, "not a fraction in [0, 1)")
+    if stages == 1:
+        for field, empty in (("stage_starts", []), ("pipeline_schedule", ""), ("pipeline_micro_batches", 0)):
+            if data.get(field, empty) != empty:
+                raise _refuse(field, data[field], "set while pipeline_stages is 1 (no pipeline)")
+        return
+    if len(starts) not in (0, stages - 1) or len(set(starts)) != len(starts):
+        raise _refuse(
+            "stage_starts", starts, f"not {stages - 1} distinct block names for {stages} stages, nor []"
+        )
+    schedule = data.get("pipeline_schedule")
+    if not isinstance(schedule, str) or schedule not in PIPELINE_SCHEDULES:
+        raise _refuse("pipeline_schedule", schedule, f"not one of {', '.join(sorted(PIPELINE_SCHEDULES))}")
+    micro_batches = whole(data, "pipeline_micro_batches", minimum=1)
+    if micro_batches > whole(data, "steps", minimum=1):
+        raise _refuse("pipeline_micro_batches", micro_batches, "more than the window's micro-batches (steps)")
 
 
 def check_plan_data(data: Any) -> None:
@@ -250,4 +266,5 @@ def check_plan_data(data: Any) -> None:
         _byte_table(data, field)
     _frontier(data)
     _labels(data)
+    _memory_options(data)
     _pipeline(data)
