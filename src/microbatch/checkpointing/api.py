@@ -37,6 +37,7 @@ the selective policy: selective.py; offloading: offload.py; compiled code: compi
 from __future__ import annotations
 
 import contextlib
+import copy
 import difflib
 import functools
 import logging
@@ -194,29 +195,67 @@ class CheckpointHandle:
 
     def _wrap(self, name: str, module: nn.Module, policy: str) -> None:
         had_instance_forward = "forward" in module.__dict__
-        original = module.forward
-        norms = [norm for _, norm in modules_of_type(module, NORMS_WITH_RUNNING_STATS)]
-        guard = RunningStatsGuard(norms) if norms else None
-        plan = SelectivePlan(half=policy == HALF) if policy in ("selective", HALF) else None
-        cache_off = cache_disabler(original, lambda: self._notice_cache_off(name))
+        self._originals.append((module, had_instance_forward, module.__dict__.get("forward")))
+        module.__dict__["forward"] = CheckpointedForward(self, name, module, policy, module.forward)
+        module.__dict__[_MARKER] = policy
+
+
+class CheckpointedForward:
+    """The forward a checkpointed block runs: its original forward, through its policy.
+
+    An object rather than a closure so that ``copy.deepcopy`` of the model (an EMA copy, a trial
+    copy) gives the copy a forward of its own: a closure would be copied as itself and keep calling
+    the original block, so the copy's outputs came from the original's weights and its gradients
+    landed there. ``__deepcopy__`` rebinds the original forward to the copied block and makes fresh
+    guards for the copy's norms; the copy stays checkpointed, and the handle's ``remove()`` restores
+    the original model only.
+    """
+
+    def __init__(
+        self,
+        handle: CheckpointHandle,
+        name: str,
+        module: nn.Module,
+        policy: str,
+        original: Callable[..., Any],
+    ) -> None:
+        self.handle, self.name, self.module = handle, name, module
+        self.policy, self.original = policy, original
+        # made on the first call: during a deepcopy the copied block is not whole yet
+        self._guard: RunningStatsGuard | None = None
+        self._guard_made = False
+        self.plan = SelectivePlan(half=policy == HALF) if policy in ("selective", HALF) else None
+        self.cache_off = cache_disabler(original, lambda: handle._notice_cache_off(name))
+        functools.update_wrapper(self, original)  # signature and name of the block's own forward
+
+    def guard(self) -> RunningStatsGuard | None:
+        """Scratch running statistics for the block's norms (None without any)."""
+        if not self._guard_made:
+            norms = [norm for _, norm in modules_of_type(self.module, NORMS_WITH_RUNNING_STATS)]
+            self._guard = RunningStatsGuard(norms) if norms else None
+            self._guard_made = True
+        return self._guard
+
+    def _saving(self) -> Any:
         # looked up per call (tests replace _offload_saved_inputs to force host copies on CPU)
-        saving: Callable[[], Any] = (
-            (lambda: _offload_saved_inputs()) if policy == "offload" else contextlib.nullcontext
+        return _offload_saved_inputs() if self.policy == "offload" else contextlib.nullcontext()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.original(*args, **kwargs)
+        args, kwargs = self.cache_off(args, kwargs)
+        if compiled.is_compiling():  # traced by dynamo: no Python runs in the compiled backward
+            self.handle.compiled_calls = True
+            return compiled.run_compiled(self.original, self.policy, args, kwargs)
+        return run_checkpointed(
+            self.original, self._saving, self.guard(), self.plan, args, kwargs, block=self.name
         )
 
-        @functools.wraps(original)
-        def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return original(*args, **kwargs)
-            args, kwargs = cache_off(args, kwargs)
-            if compiled.is_compiling():  # traced by dynamo: no Python runs in the compiled backward
-                self.compiled_calls = True
-                return compiled.run_compiled(original, policy, args, kwargs)
-            return run_checkpointed(original, saving, guard, plan, args, kwargs, block=name)
-
-        self._originals.append((module, had_instance_forward, module.__dict__.get("forward")))
-        module.__dict__["forward"] = checkpointed_forward
-        module.__dict__[_MARKER] = policy
+    def __deepcopy__(self, memo: dict[int, Any]) -> CheckpointedForward:
+        # memo maps the block being copied to its copy, so both deepcopies below land on the copy
+        module = copy.deepcopy(self.module, memo)
+        original = copy.deepcopy(self.original, memo)  # a bound method is rebound to the copy
+        return CheckpointedForward(self.handle, self.name, module, self.policy, original)
 
 
 def _resolve_policies(model: nn.Module, blocks: BlockSpec, policy: str | Mapping[str, str]) -> dict[str, str]:
