@@ -20,6 +20,7 @@ from ..training.max_tokens import parse_max_tokens
 from ..training.run_folder import latest_run_dir
 from ..training.run_plan import CUDA_FREE_MEMORY_FRACTION
 from ..training.signals import exit_status
+from . import quiet
 from .output import dumps
 from .progress import PlanningBar
 
@@ -212,18 +213,17 @@ class ProgressLine:
         )
 
     def _write(self, report: StepReport, line: str) -> None:
+        # A failed write (a hang-up, a full disk, a closed pipe) is dropped: output never costs training.
         if self.live:
-            self.stream.write("\r" + line.ljust(self.width))
+            text = "\r" + line.ljust(self.width) + ("\n" if report.step == report.total_steps else "")
             self.width = len(line)
-            if report.step == report.total_steps:
-                self.stream.write("\n")
+            quiet.write(self.stream, text)
         elif report.step == report.total_steps or report.step % max(1, report.total_steps // 10) == 0:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+            quiet.write(self.stream, line + "\n")
 
     def close(self) -> None:
         if self.live and self.width:
-            self.stream.write("\n")
+            quiet.write(self.stream, "\n")
             self.width = 0
 
 
@@ -286,18 +286,18 @@ def _run(args: argparse.Namespace) -> int:
     status = exit_status(summary.stopped_by) if summary.interrupted else 0
     if not rank_zero:
         return status
+    # The run folder holds the record; a stdout or stderr that is gone does not change the status.
     if args.json:
         output: dict[str, Any] = summary.to_dict()
         output["wall_seconds"] = time.perf_counter() - started
-        print(dumps(output, sort_keys=True))
+        quiet.write(sys.stdout, dumps(output, sort_keys=True) + "\n")
     else:
-        print(summary)
-        print(f"plan: {Plan.from_dict(summary.plan).headline()}")
+        quiet.write(sys.stdout, f"{summary}\nplan: {Plan.from_dict(summary.plan).headline()}\n")
     if summary.interrupted:
-        print(
+        quiet.write(
+            sys.stderr,
             f"microbatch train: {summary.stopped_by or 'interrupted'} at step "
             f"{summary.steps_done}/{summary.total_steps}; checkpoint "
-            f"saved in {summary.checkpoint}. Resume with: {_resume_command(summary.run_dir)}",
-            file=sys.stderr,
+            f"saved in {summary.checkpoint}. Resume with: {_resume_command(summary.run_dir)}\n",
         )
     return status

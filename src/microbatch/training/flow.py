@@ -34,7 +34,7 @@ from .run_folder import (
     write_json,
 )
 from .run_plan import PlanProgress, plan_for_run, planning_workload, resolve_device
-from .session import Session, build_model, build_session, restore, storage_error
+from .session import Session, build_model, build_session, check_folder, restore, storage_error
 from .start import RunStart, open_run
 from .summary import StepReport, TrainSummary, whole_run_totals
 
@@ -116,17 +116,27 @@ def _start_session(
         )
     raw_model.zero_grad(set_to_none=True)
     session = build_session(config, run_dir=start.run_dir, device=device, raw_model=raw_model, plan=plan)
+    session.folder = start.claim.folder if start.claim is not None else None
     if start.state is not None:
         restore(session, start.state)
     if distributed.is_rank_zero():
-        write_json(os.path.join(session.run_dir, CONFIG_FILE), config.to_dict())
+        folder = session.folder
+        write_json(os.path.join(session.run_dir, CONFIG_FILE), config.to_dict(), folder=folder)
         plan_text = session.plan.to_json()
         atomic_write(
-            os.path.join(session.run_dir, PLAN_FILE), lambda file: file.write(plan_text), binary=False
+            os.path.join(session.run_dir, PLAN_FILE),
+            lambda file: file.write(plan_text),
+            binary=False,
+            folder=folder,
         )
         # metrics.jsonl as of the checkpoint: empty for a new run; a resumed run drops later lines.
         text = "".join(json.dumps(record) + "\n" for record in session.metrics)
-        atomic_write(os.path.join(session.run_dir, METRICS_FILE), lambda file: file.write(text), binary=False)
+        atomic_write(
+            os.path.join(session.run_dir, METRICS_FILE),
+            lambda file: file.write(text),
+            binary=False,
+            folder=folder,
+        )
         logger.info("plan: %s", session.plan.headline())
     return session
 
@@ -151,9 +161,12 @@ def finish(session: Session, outcome: Outcome) -> TrainSummary:
         **totals,
     )
     if distributed.is_rank_zero():
+        check_folder(session)
         try:
-            plot_losses(os.path.join(session.run_dir, PLOT_FILE), session.metrics)
-            write_json(os.path.join(session.run_dir, SUMMARY_FILE), summary.to_dict())
+            plot_losses(os.path.join(session.run_dir, PLOT_FILE), session.metrics, folder=session.folder)
+            write_json(os.path.join(session.run_dir, SUMMARY_FILE), summary.to_dict(), folder=session.folder)
         except OSError as error:
-            raise storage_error(session.run_dir, session.step, error) from error
+            raise storage_error(
+                session.run_dir, session.step, error, saved_step=session.checkpoint_step
+            ) from error
     return summary

@@ -15,7 +15,8 @@ import torch
 
 from ..errors import ConfigError, ResumeError
 from .config import TrainConfig
-from .ownership import MARKER_FILE, foreign_files, is_run_temporary, open_no_follow
+from .ownership import MARKER_FILE, foreign_files, is_run_temporary
+from .pinned import PinnedFolder, open_no_follow
 
 logger = logging.getLogger(__name__)
 
@@ -61,17 +62,24 @@ class _RecordingWriter:
         self.file.flush()
 
 
-def atomic_write(path: str, write: Callable[[Any], None], *, binary: bool = True) -> None:
+def atomic_write(
+    path: str, write: Callable[[Any], None], *, binary: bool = True, folder: PinnedFolder | None = None
+) -> None:
     """Write a file so a reader sees the old or the new content, never a part: temp, fsync, rename.
 
     A failed write (a full disk, a file-size limit, a quota) raises OSError with its errno, the old
     file untouched and the temporary file removed, also when the writer (torch.save) hides the
-    OSError inside a RuntimeError.
+    OSError inside a RuntimeError. ``folder``: the run folder opened once (pinned.py); the file is
+    written into it by ``path``'s last name, wherever the folder is now.
     """
+    name = os.path.basename(path)
+    dir_fd = folder.descriptor if folder is not None else None
     directory = os.path.dirname(os.path.abspath(path))
-    temporary = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    temporary = f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    if dir_fd is None:
+        temporary, name = os.path.join(directory, temporary), path
     # Mode 0o666 less the umask, like any new file (mkstemp would make it private to the owner).
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666, dir_fd=dir_fd)
     try:
         with os.fdopen(descriptor, "wb" if binary else "w") as file:
             recorder = _RecordingWriter(file)
@@ -83,12 +91,16 @@ def atomic_write(path: str, write: Callable[[Any], None], *, binary: bool = True
                 raise recorder.error from error
             file.flush()
             os.fsync(file.fileno())
-        os.replace(temporary, path)
+        os.replace(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(temporary)
+            os.unlink(temporary, dir_fd=dir_fd)
         raise
-    _fsync_directory(directory)
+    if dir_fd is not None:
+        with contextlib.suppress(OSError):
+            os.fsync(dir_fd)
+    else:
+        _fsync_directory(directory)
 
 
 def remove_stale_temporaries(run_dir: str) -> list[str]:
@@ -112,8 +124,10 @@ def remove_stale_temporaries(run_dir: str) -> list[str]:
     return removed
 
 
-def write_json(path: str, data: Any) -> None:
-    atomic_write(path, lambda file: json.dump(data, file, indent=2, sort_keys=True), binary=False)
+def write_json(path: str, data: Any, *, folder: PinnedFolder | None = None) -> None:
+    atomic_write(
+        path, lambda file: json.dump(data, file, indent=2, sort_keys=True), binary=False, folder=folder
+    )
 
 
 def check_writable(path: str) -> None:
@@ -218,9 +232,14 @@ _METRICS_NUMBERS = ("loss", "items", "peak_bytes", "seconds")
 MAX_METRICS_LINE_BYTES = 1 << 20
 
 
-def append_line(path: str, line: str) -> None:
-    """Append ``line`` to the run's file at ``path``; never through a symbolic link (OSError ELOOP)."""
-    descriptor = open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+def append_line(path: str, line: str, *, folder: PinnedFolder | None = None) -> None:
+    """Append ``line`` to the run's file at ``path`` (by its last name inside ``folder`` when given);
+    never through a symbolic link (OSError ELOOP)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+    if folder is not None:
+        descriptor = folder.open(os.path.basename(path), flags)
+    else:
+        descriptor = open_no_follow(path, flags)
     with os.fdopen(descriptor, "w") as file:
         file.write(line)
 
@@ -290,7 +309,7 @@ def _metrics_mismatch(path: str, up_to_step: int, what: str) -> ResumeError:
     )
 
 
-def plot_losses(path: str, metrics: list[dict[str, Any]]) -> None:
+def plot_losses(path: str, metrics: list[dict[str, Any]], *, folder: PinnedFolder | None = None) -> None:
     """loss.png: training loss per step and validation loss where it was measured."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -310,4 +329,4 @@ def plot_losses(path: str, metrics: list[dict[str, Any]]) -> None:
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    atomic_write(path, lambda file: figure.savefig(file, format="png"))
+    atomic_write(path, lambda file: figure.savefig(file, format="png"), folder=folder)
