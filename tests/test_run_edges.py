@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from microbatch.errors import TrainingError
+from microbatch.errors import ResumeError, TrainingError
 from microbatch.training import TrainConfig, train
 from microbatch.training.ownership import LOCK_FILE
 
@@ -161,3 +162,47 @@ def test_a_hang_up_whose_terminal_is_gone_exits_129_with_the_summary(tmp_path: P
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] and summary["stopped_by"] == "SIGHUP"
     assert summary["steps_done"] == metrics_steps(run_dir)[-1] >= 2
+
+
+# ------------------------------------------------------------------- saved state proves itself
+
+
+def _finished_run(tmp_path: Path) -> tuple[Path, TrainConfig]:
+    run_dir = tmp_path / "r"
+    config = dataclasses.replace(BASE, steps=3, out=str(run_dir))
+    train(config)
+    return run_dir, dataclasses.replace(config, steps=4, resume=True)
+
+
+def test_one_flipped_bit_inside_a_tensor_of_the_checkpoint_is_refused_naming_the_file(tmp_path: Path) -> None:
+    run_dir, resume = _finished_run(tmp_path)
+    path = run_dir / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    weight = next(iter(state["model"].values())).contiguous()
+    raw = bytearray(path.read_bytes())
+    at = raw.find(weight.view(-1).view(torch.uint8).numpy().tobytes()[:64])
+    assert at > 0  # torch.save stores tensors' bytes as they are
+    raw[at + 17] ^= 0x04  # one bit of one parameter
+    path.write_bytes(bytes(raw))
+    assert torch.load(path, weights_only=True)["step"] == 3  # torch reads it without a word
+    with pytest.raises(ResumeError, match=r"damaged.*checksum") as raised:
+        train(resume)
+    assert str(path) in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [("items", -500, "items -500 is not a non-negative count"), ("loss", 1.25, "checksum")],
+)
+def test_an_edited_metrics_record_is_refused_on_resume(
+    tmp_path: Path, field: str, value: Any, said: str
+) -> None:
+    run_dir, resume = _finished_run(tmp_path)
+    path = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    records[1][field] = value
+    records[1]["tokens_per_second"] = records[1]["items"] / records[1]["seconds"]  # a careful edit
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    with pytest.raises(ResumeError, match=said) as raised:
+        train(resume)
+    assert str(path) in str(raised.value)

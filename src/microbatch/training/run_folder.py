@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import uuid
 from collections.abc import Callable
@@ -15,6 +16,7 @@ import torch
 
 from ..errors import ConfigError, ResumeError
 from .config import TrainConfig
+from .integrity import checksum_problem, metrics_problem
 from .ownership import MARKER_FILE, foreign_files, is_run_temporary
 from .pinned import PinnedFolder, open_no_follow
 
@@ -165,6 +167,12 @@ def load_checkpoint(path: str) -> dict[str, Any]:
             f"version {CHECKPOINT_VERSION}; nothing was changed"
         )
     _check_checkpoint_fields(state, path)
+    problem = checksum_problem(state)
+    if problem is not None:
+        raise ResumeError(
+            f"--resume: the checkpoint {path!r} is damaged: {problem}; nothing was changed. Restore the "
+            "file from a copy, or start a new run with a different --out"
+        )
     return state
 
 
@@ -229,6 +237,7 @@ def latest_run_dir(root: str = "runs") -> str:
 
 # The fields of a metrics line that resuming reads back (loop.py's _record writes them all).
 _METRICS_NUMBERS = ("loss", "items", "peak_bytes", "seconds")
+_METRICS_COUNTS = ("items", "peak_bytes", "seconds")
 MAX_METRICS_LINE_BYTES = 1 << 20
 
 
@@ -259,19 +268,27 @@ def _metrics_record(raw: bytes, where: str) -> dict[str, Any]:
         value = record.get(name)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ResumeError(f"{where}: {name} {value!r} is not a number")
+        if name in _METRICS_COUNTS and not (math.isfinite(value) and value >= 0):
+            raise ResumeError(f"{where}: {name} {value!r} is not a non-negative count")
+    rate, items, seconds = record.get("tokens_per_second"), record["items"], record["seconds"]
+    if rate is not None and not math.isclose(rate, items / seconds if seconds > 0 else 0.0, rel_tol=1e-9):
+        raise ResumeError(f"{where}: tokens_per_second {rate!r} is not items / seconds ({items} / {seconds})")
     if not isinstance(record.get("skipped"), bool):
         raise ResumeError(f"{where}: skipped {record.get('skipped')!r} is not true or false")
     return record
 
 
-def read_metrics(path: str, *, up_to_step: int) -> list[dict[str, Any]]:
+def read_metrics(
+    path: str, *, up_to_step: int, checkpoint: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """metrics.jsonl's records of steps 1 to ``up_to_step`` (the checkpoint's), checked against it.
 
     The checkpoint at step N is written after the line of step N, so the file holds one line per
     step 1..N in order, then perhaps lines of steps the checkpoint does not cover (they are dropped:
     those steps run again) and perhaps a last line cut short by a kill (dropped too). Anything else
     (a line missing, duplicated, out of order or malformed; the file missing) is a ResumeError
-    naming the line: the run's history and its checkpoint disagree.
+    naming the line: the run's history and its checkpoint disagree; so are records with negative
+    counts, and lines that do not match the checksum ``checkpoint`` saved of them (integrity.py).
     """
     if up_to_step == 0 and not os.path.lexists(path):
         return []
@@ -299,6 +316,9 @@ def read_metrics(path: str, *, up_to_step: int) -> list[dict[str, Any]]:
         records.append(record)
     if len(records) != up_to_step:
         raise _metrics_mismatch(path, up_to_step, f"it holds steps 1 to {len(records)} only")
+    problem = metrics_problem(checkpoint, records) if checkpoint is not None else None
+    if problem is not None:
+        raise _metrics_mismatch(path, up_to_step, problem)
     return records
 
 

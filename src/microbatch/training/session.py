@@ -25,6 +25,7 @@ from ..models.workloads import build_seeded, gpt_optimizer
 from ..planner import Plan
 from . import pipelined
 from .config import PRECISIONS, TrainConfig, accumulation_schedule, lr_factor, scaled_hyperparameters
+from .integrity import seal
 from .max_tokens import TokenSteps, resolve_max_tokens
 from .pinned import PinnedFolder
 from .run_folder import (
@@ -188,21 +189,24 @@ def checkpoint_state(session: Session) -> dict[str, Any]:
     if distributed.world_size() > 1:
         rank_states = [None] * distributed.world_size()
         torch.distributed.all_gather_object(rank_states, mine)
-    return {
-        "format": CHECKPOINT_FORMAT,
-        "version": CHECKPOINT_VERSION,
-        "step": session.step,
-        "config": session.config.to_dict(),
-        "model_config": session.raw_model.config.to_dict(),
-        "plan": session.plan.to_dict(),
-        "model": session.raw_model.state_dict(),
-        "optimizer": session.optimizer.state_dict(),
-        "scheduler": session.scheduler.state_dict(),
-        "scaler": session.scaler.state_dict() if session.scaler is not None else None,
-        "accumulator": accumulator(session).state_dict() if session.pipeline is None else None,
-        "replans": session.replans,  # so summary.json counts the whole run's re-plans after a resume
-        "ranks": rank_states,
-    }
+    return seal(
+        {
+            "format": CHECKPOINT_FORMAT,
+            "version": CHECKPOINT_VERSION,
+            "step": session.step,
+            "config": session.config.to_dict(),
+            "model_config": session.raw_model.config.to_dict(),
+            "plan": session.plan.to_dict(),
+            "model": session.raw_model.state_dict(),
+            "optimizer": session.optimizer.state_dict(),
+            "scheduler": session.scheduler.state_dict(),
+            "scaler": session.scaler.state_dict() if session.scaler is not None else None,
+            "accumulator": accumulator(session).state_dict() if session.pipeline is None else None,
+            "replans": session.replans,  # so summary.json counts the whole run's re-plans after a resume
+            "ranks": rank_states,
+        },
+        session.metrics,
+    )
 
 
 def restore(session: Session, state: dict[str, Any]) -> None:
@@ -232,7 +236,9 @@ def restore(session: Session, state: dict[str, Any]) -> None:
             f"{str(error).splitlines()[0] if str(error) else ''}); nothing was changed"
         ) from error
     session.resumed_from_step = session.checkpoint_step = session.step
-    session.metrics = read_metrics(os.path.join(session.run_dir, METRICS_FILE), up_to_step=session.step)
+    session.metrics = read_metrics(
+        os.path.join(session.run_dir, METRICS_FILE), up_to_step=session.step, checkpoint=state
+    )
 
 
 def save(session: Session) -> None:

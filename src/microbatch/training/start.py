@@ -83,7 +83,7 @@ def _resumed_start(config: TrainConfig, run_dir: str, path: str, claim: FolderCl
         ) from error
     _check_resume_matches(config, saved_config, path)
     if distributed.is_rank_zero():  # checked before planning: the history must match the checkpoint
-        read_metrics(os.path.join(run_dir, METRICS_FILE), up_to_step=int(state["step"]))
+        read_metrics(os.path.join(run_dir, METRICS_FILE), up_to_step=int(state["step"]), checkpoint=state)
     start = RunStart(
         run_dir=run_dir, state=state, saved_config=saved_config, saved_plan=saved_plan, claim=claim
     )
