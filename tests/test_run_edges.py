@@ -206,3 +206,52 @@ def test_an_edited_metrics_record_is_refused_on_resume(
     with pytest.raises(ResumeError, match=said) as raised:
         train(resume)
     assert str(path) in str(raised.value)
+
+
+# ------------------------------------------------------------------- signals while planning
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["SIGUSR1", "SIGUSR2", "SIGXCPU"])
+def test_a_stop_signal_while_planning_leaves_no_stash_marker_or_lock(tmp_path: Path, name: str) -> None:
+    run_dir, scratch = tmp_path / "r", tmp_path / "tmp"
+    scratch.mkdir()
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "TMPDIR": str(scratch),
+    }
+    args = ("--model", "gpt-nano", "--batch", "8", "--steps", "2", "--no-progress", "--out", str(run_dir))
+    process = subprocess.Popen(
+        [sys.executable, "-c", _TRAIN_SCRIPT, *args], stderr=subprocess.PIPE, env=env, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            if list(scratch.glob("microbatch-stash-*.pt")):  # the planner is profiling the model
+                break
+            time.sleep(0.002)
+        assert process.poll() is None, process.communicate()[1]
+        process.send_signal(getattr(signal, name))
+        _, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 128 + getattr(signal, name), err
+    assert not list(scratch.glob("microbatch-stash-*.pt"))
+    assert not run_dir.exists()  # the new run's folder, marker and lock: removed with it
+
+
+def test_a_stash_left_by_a_killed_process_is_removed_by_the_next_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"microbatch-stash-{dead.pid}-abc.pt"
+    stale.write_bytes(b"x")
+    train(dataclasses.replace(BASE, steps=1, out=str(tmp_path / "r")))  # --micro-batch: no planner stash
+    assert not stale.exists()

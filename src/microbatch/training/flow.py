@@ -35,6 +35,7 @@ from .run_folder import (
 )
 from .run_plan import PlanProgress, plan_for_run, planning_workload, resolve_device
 from .session import Session, build_model, build_session, check_folder, restore, storage_error
+from .signals import exit_on_stop_signals
 from .start import RunStart, open_run
 from .summary import StepReport, TrainSummary, whole_run_totals
 
@@ -80,7 +81,8 @@ def _train_in(
     plan_progress: PlanProgress | None = None,
 ) -> TrainSummary:
     try:
-        session = _start_session(config, start, device, plan_progress)
+        with exit_on_stop_signals():  # a stop signal while planning cleans up (signals.py)
+            session = _start_session(config, start, device, plan_progress)
     except BaseException:
         if start.claim is not None and start.state is None:  # a new run that cannot start leaves nothing
             start.claim.abandon()
