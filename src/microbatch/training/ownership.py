@@ -120,17 +120,18 @@ class FolderLock:
                 f"choose another {flag}"
             ) from error
         try:
-            self._take()
+            descriptor = self._take()
         except BaseException:
             self.release()
             raise
-        os.ftruncate(self.descriptor, 0)
-        os.pwrite(self.descriptor, f"{os.getpid()}\n".encode(), 0)
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
 
-    def _take(self) -> None:
+    def _take(self) -> int:
+        """Lock the folder, then open and lock the lock file; its descriptor."""
         try:
             self.folder.lock()  # first: a second writer is refused before it creates any file
-            self.descriptor = self.folder.open(LOCK_FILE, os.O_RDWR | os.O_CREAT)
+            self.descriptor = descriptor = self.folder.open(LOCK_FILE, os.O_RDWR | os.O_CREAT)
         except BlockingIOError as error:
             raise self._in_use() from error
         except OSError as error:
@@ -139,7 +140,7 @@ class FolderLock:
                 f"({error.strerror or error}); choose another {self.flag}"
             ) from error
         try:
-            fcntl.flock(self.descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
             if error.errno in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
                 raise self._in_use() from error
@@ -147,6 +148,7 @@ class FolderLock:
                 f"{self.flag} {self.run_dir!r}: cannot lock the run folder ({error.strerror or error}); "
                 f"choose a folder on a file system with locks (not every network file system has them)"
             ) from error
+        return descriptor
 
     def _in_use(self) -> ConfigError:
         holder = "unknown: its lock file was removed"
