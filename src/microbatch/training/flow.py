@@ -19,7 +19,7 @@ import torch
 
 from .. import distributed
 from ..models.corpus import load_corpus
-from . import pipelined
+from . import elastic, pipelined
 from .config import TrainConfig, validate_config
 from .loop import Outcome, run_windows
 from .run_folder import (
@@ -60,6 +60,7 @@ def train(
     random state is left as it was.
     """
     validate_config(config)
+    config = elastic.restarted_config(config)  # torchrun restarted the ranks: resume the run
     device = resolve_device(config.device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(config.seed * 1000 + distributed.rank())
@@ -87,8 +88,15 @@ def _train_in(
         if start.claim is not None and start.state is None:  # a new run that cannot start leaves nothing
             start.claim.abandon()
         raise
+    known = elastic.peers()  # every rank's host and PID, to name a rank that stops
     try:
         outcome = run_windows(session, progress=progress)
+    except RuntimeError as error:
+        if not elastic.is_peer_failure(error):
+            raise
+        raise elastic.peer_stopped(
+            error, known=known, run_dir=session.run_dir, checkpoint_step=session.checkpoint_step
+        ) from error
     finally:
         if session.checkpoint_handle is not None:  # the caller's model is plain again
             session.checkpoint_handle.remove()
