@@ -16,6 +16,7 @@ from ..models.gpt import GPT_SIZES
 from ..planner import Plan
 from ..training import DEFAULT_CPU_MEMORY, StepReport, TrainConfig, resume_config, train
 from ..training.config import CHECKPOINT_POLICIES, DEFAULT_MAX_SKIPPED_WINDOWS, LR_SCALINGS, PRECISIONS
+from ..training.elastic import restart_count
 from ..training.max_tokens import parse_max_tokens
 from ..training.run_folder import latest_run_dir
 from ..training.run_plan import CUDA_FREE_MEMORY_FRACTION
@@ -253,7 +254,12 @@ def _maybe_init_distributed() -> bool:
     import torch.distributed as dist
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend)
+    # torchrun keeps one store across restarts (--max-restarts): the ranks' addresses of an earlier
+    # attempt are still in it, and restarted ranks would try to connect to processes that are gone.
+    # Each attempt gets keys of its own.
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    attempt = dist.PrefixStore(f"microbatch/attempt-{restart_count()}", store)
+    dist.init_process_group(backend=backend, store=attempt, rank=rank, world_size=world_size)
     return True
 
 

@@ -69,13 +69,23 @@ def _stopped_ranks(known: list[tuple[str, int]]) -> list[int]:
     for rank, (host, pid) in enumerate(known):
         if host != here or rank == distributed.rank():
             continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _running(pid):
             stopped.append(rank)
-        except OSError:
-            pass
     return stopped
+
+
+def _running(pid: int) -> bool:
+    """False for a process that is gone or dead but not yet reaped by its launcher (a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    with contextlib.suppress(OSError, IndexError):
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
 
 
 def is_peer_failure(error: BaseException) -> bool:
