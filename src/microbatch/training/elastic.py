@@ -82,9 +82,8 @@ def _running(pid: int) -> bool:
         return False
     except OSError:
         return True
-    with contextlib.suppress(OSError, IndexError):
-        with open(f"/proc/{pid}/stat") as file:
-            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    with contextlib.suppress(OSError, IndexError), open(f"/proc/{pid}/stat") as file:
+        return file.read().rsplit(")", 1)[1].split()[0] != "Z"
     return True
 
 
