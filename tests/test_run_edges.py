@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from microbatch import cli
 from microbatch.errors import ResumeError, TrainingError
 from microbatch.training import TrainConfig, train
 from microbatch.training.ownership import LOCK_FILE
@@ -255,3 +256,16 @@ def test_a_stash_left_by_a_killed_process_is_removed_by_the_next_run(
     stale.write_bytes(b"x")
     train(dataclasses.replace(BASE, steps=1, out=str(tmp_path / "r")))  # --micro-batch: no planner stash
     assert not stale.exists()
+
+
+def test_resume_with_a_plan_of_a_micro_batch_run_says_what_is_true(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "r"
+    assert cli.main(["train", *NANO, "--steps", "1", "--out", str(run_dir)]) == 0
+    code = cli.main(
+        ["train", "--resume", "--plan", str(run_dir / "plan.json"), "--steps", "2", "--out", str(run_dir)]
+    )
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and "started with --micro-batch 2" in line and "resume it without --plan" in line
+    assert "both say" not in line

@@ -11,6 +11,7 @@ import time
 from typing import Any, TextIO
 
 from .. import distributed
+from ..errors import ConfigError
 from ..memory import format_bytes
 from ..models.gpt import GPT_SIZES
 from ..planner import Plan
@@ -242,7 +243,13 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         given["trial"] = args.trial
     if args.resume:
         run_dir = given.pop("out", None) or latest_run_dir()
-        return resume_config(run_dir, **given)
+        config = resume_config(run_dir, **given)
+        if "plan" in given and "micro_batch" not in given and config.micro_batch is not None:
+            raise ConfigError(
+                f"--plan: the run in {run_dir!r} was started with --micro-batch {config.micro_batch}, which "
+                "fixes how it splits the batch; resume it without --plan, or start a new run with --plan"
+            )
+        return config
     return dataclasses.replace(_DEFAULTS, **given)
 
 
