@@ -57,3 +57,15 @@ def test_apply_refuses_a_plan_made_for_another_model() -> None:
         plan_for(small).apply(large, optimizer)
     accumulator = plan_for(large).apply(large, optimizer)  # its own plan applies
     accumulator.close()
+
+
+def test_a_workload_factory_that_needs_arguments_is_the_users_to_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from microbatch.errors import WorkloadError
+    from microbatch.workload import load_workload
+
+    (tmp_path / "needs_arg_workload.py").write_text("def make(size):\n    raise AssertionError('called')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(WorkloadError, match=r"make\(\) is called with no arguments.*'size'.*defaults"):
+        load_workload("needs_arg_workload:make")
