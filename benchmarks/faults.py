@@ -52,7 +52,11 @@ import results  # benchmarks/results.py
 ROOT = Path(__file__).resolve().parent.parent
 SECTION_TITLE = "Faults"
 RUNS_SECTION_TITLE = "Faults: run folders and saved state"
-OUTCOMES = ("ok", "clear error", "launcher traceback", "traceback", "hang", "silent wrong", "data lost")
+EDGES_SECTION_TITLE = "Faults: the run's edges"
+OUTCOMES = (
+    "ok", "clear error", "launcher traceback", "traceback", "hang", "silent wrong", "data lost",
+    "security", "leak", "unclear",  # issue 35's cases (benchmarks/_faults_edges.py)
+)  # fmt: skip
 # A tiny training run: seconds of compute, 3 micro-batches per step (3 + 3 + 2), no planning.
 TINY = ["--model", "gpt-nano", "--batch", "8", "--micro-batch", "3", "--no-progress"]
 # The same with the planner (a budget under which it accumulates).
@@ -854,8 +858,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--only",
-        choices=("library", "cli", "kills", "runs"),
-        help="run one group of cases (runs: issue 22's run folders and saved state, its own section)",
+        choices=("library", "cli", "kills", "runs", "edges"),
+        help="run one group of cases (runs: issue 22's run folders and saved state; edges: issue 35's "
+        "lock, folder, output, checksums, planning signals and torchrun restarts; each its own section)",
     )
     parser.add_argument("--quick", action="store_true", help="3 random kills and 1 in a checkpoint write")
     results.add_output_arguments(parser)
@@ -877,6 +882,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from _faults_runs import run_cases  # benchmarks/_faults_runs.py (imports this module)
 
             cases += run_cases(work)
+        if args.only in (None, "edges"):
+            from _faults_edges import edge_cases  # benchmarks/_faults_edges.py (imports this module)
+
+            cases += edge_cases(work)
     for case in cases:
         print(f"{case.outcome:>12}  {case.name}: {case.detail}", file=sys.stderr)
     report: dict[str, Any] = {
@@ -888,12 +897,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["command"] = results.reproducing_command(
         "faults", sys.argv[1:] if argv is None else list(argv), json_mode=args.json
     )
-    title = RUNS_SECTION_TITLE if args.only == "runs" else SECTION_TITLE
+    title = {"runs": RUNS_SECTION_TITLE, "edges": EDGES_SECTION_TITLE}.get(args.only or "", SECTION_TITLE)
     if args.only == "runs":
         report["intro"] = (
             "Issue 22's faults (benchmarks/_faults_runs.py, `faults.py --only runs`): foreign and concurrent "
             "run folders, session signals, symlinks, edited plans / histories / checkpoints, stash files, "
             "huge sizes; owner runs = the run folder and saved state."
+        )
+    if args.only == "edges":
+        report["intro"] = (
+            "Issue 35's faults (benchmarks/_faults_edges.py, `faults.py --only edges`): the lock file "
+            "deleted, the folder swapped for a link, output that fails, damaged checkpoints and histories, "
+            "plans, signals while planning, ranks killed under torchrun; owner edges."
         )
     return results.emit(title, section(report), report, json_mode=args.json, write=not args.no_write)
 

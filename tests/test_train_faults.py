@@ -232,7 +232,7 @@ def test_full_disk_on_save_is_a_clear_error(
     code, _, err = run_train("--resume", "--steps", "2", "--out", str(run_dir), capsys=capsys)
     assert code == 2, err
     assert "the disk is full" in last_line(err)
-    assert "previous checkpoint is intact" in last_line(err)
+    assert "last checkpoint (step 1) is intact" in last_line(err)
     assert (run_dir / "checkpoint.pt").read_bytes() == before
     assert not list(run_dir.glob(".*.tmp"))
 
@@ -280,7 +280,7 @@ def test_checkpoint_past_a_file_size_limit_is_a_clear_error_naming_the_fix(
     assert "Traceback" not in err
     line = last_line(err)
     assert str(run_dir / "checkpoint.pt") in line and "EFBIG" in line and "ulimit -f" in line, line
-    assert "previous checkpoint is intact" in line and "--resume" in line
+    assert "last checkpoint (step 1) is intact" in line and "--resume" in line
     assert (run_dir / "checkpoint.pt").read_bytes() == before
     assert not list(run_dir.glob(".*.tmp"))
 

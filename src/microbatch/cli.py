@@ -24,6 +24,7 @@ from types import TracebackType
 import torch
 
 from . import __version__, distributed
+from .commands import quiet
 from .errors import MicrobatchError
 
 # name -> one-line help; the module is microbatch.commands.<name>
@@ -103,6 +104,13 @@ class _CurrentStderrHandler(logging.StreamHandler):
     @stream.setter
     def stream(self, _value: object) -> None:
         pass
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        # A log line that cannot be written (a hang-up, a full disk, a closed pipe) never costs the run.
+        if isinstance(sys.exc_info()[1], (OSError, ValueError)):
+            quiet.silence(sys.stderr)
+        else:
+            super().handleError(record)
 
 
 def _configure_logging(verbose: bool) -> None:

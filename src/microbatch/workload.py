@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import logging
 import os
 import sys
@@ -190,6 +191,15 @@ def _call_factory(target: str, spec: str) -> Workload:
     factory = getattr(module, function_name, None)
     if not callable(factory):
         raise WorkloadError(f"module {module_name!r} has no function {function_name!r} (workload {spec!r})")
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as error:  # a factory that needs arguments: the user's to fix, not a bug
+        raise WorkloadError(
+            f"{spec!r}: {function_name}() is called with no arguments, but it needs some ({error}); "
+            "give its parameters defaults, or point to a function that takes none"
+        ) from error
+    except ValueError:  # no signature to read (a builtin): call it and see
+        pass
     workload = factory()
     if not isinstance(workload, Workload):
         raise WorkloadError(

@@ -21,6 +21,7 @@ from ..planner.options import SHARDS
 from ..planner.result.applying import GRADIENT_SYNCS
 from ..planner.result.plot import save_frontier_plot
 from ..planner.target.simulated import target_budget
+from ..profile import stash
 from .models import load_named_workload, model_help
 from .output import dumps
 from .progress import PlanningBar
@@ -210,6 +211,7 @@ def check_plot_path(path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_output("--out", args.out)
+    stash.remove_stale_stashes()  # planner stash files of processes killed outright (kill -9)
     if args.plot:
         check_plot_path(args.plot)
     blocks = (

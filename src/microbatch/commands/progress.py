@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from . import quiet
+
 BAR_WIDTH = 20
 
 
@@ -43,15 +45,15 @@ class PlanningBar:
         self.total, self.done = total, done
         line = self.format(what, done, total, now - self.phase_start)
         if self.live:
-            self.stream.write("\r" + line.ljust(self.width))
+            text = "\r" + line.ljust(self.width)
             self.width = len(line)
             if done >= total or total <= 1:  # a phase over, or one event: keep it, logs start below
-                self.stream.write("\n")
+                text += "\n"
                 self.width = 0
+            quiet.write(self.stream, text)  # a failed write is dropped: output never costs a run
         elif total <= 1 or done * 4 // total != self.quarter:
             self.quarter = done * 4 // total if total > 1 else -1
-            self.stream.write(line + "\n")
-        self.stream.flush()
+            quiet.write(self.stream, line + "\n")
 
     @staticmethod
     def format(what: str, done: int, total: int, elapsed_seconds: float) -> str:
@@ -67,6 +69,5 @@ class PlanningBar:
     def close(self) -> None:
         """Clear the live line, so what is printed next starts at the left edge."""
         if self.live and self.width:
-            self.stream.write("\r" + " " * self.width + "\r")
-            self.stream.flush()
+            quiet.write(self.stream, "\r" + " " * self.width + "\r")
             self.width = 0

@@ -11,15 +11,18 @@ import time
 from typing import Any, TextIO
 
 from .. import distributed
+from ..errors import ConfigError
 from ..memory import format_bytes
 from ..models.gpt import GPT_SIZES
 from ..planner import Plan
 from ..training import DEFAULT_CPU_MEMORY, StepReport, TrainConfig, resume_config, train
 from ..training.config import CHECKPOINT_POLICIES, DEFAULT_MAX_SKIPPED_WINDOWS, LR_SCALINGS, PRECISIONS
+from ..training.elastic import restart_count
 from ..training.max_tokens import parse_max_tokens
 from ..training.run_folder import latest_run_dir
 from ..training.run_plan import CUDA_FREE_MEMORY_FRACTION
 from ..training.signals import exit_status
+from . import quiet
 from .output import dumps
 from .progress import PlanningBar
 
@@ -212,18 +215,17 @@ class ProgressLine:
         )
 
     def _write(self, report: StepReport, line: str) -> None:
+        # A failed write (a hang-up, a full disk, a closed pipe) is dropped: output never costs training.
         if self.live:
-            self.stream.write("\r" + line.ljust(self.width))
+            text = "\r" + line.ljust(self.width) + ("\n" if report.step == report.total_steps else "")
             self.width = len(line)
-            if report.step == report.total_steps:
-                self.stream.write("\n")
+            quiet.write(self.stream, text)
         elif report.step == report.total_steps or report.step % max(1, report.total_steps // 10) == 0:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+            quiet.write(self.stream, line + "\n")
 
     def close(self) -> None:
         if self.live and self.width:
-            self.stream.write("\n")
+            quiet.write(self.stream, "\n")
             self.width = 0
 
 
@@ -241,7 +243,13 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         given["trial"] = args.trial
     if args.resume:
         run_dir = given.pop("out", None) or latest_run_dir()
-        return resume_config(run_dir, **given)
+        config = resume_config(run_dir, **given)
+        if "plan" in given and "micro_batch" not in given and config.micro_batch is not None:
+            raise ConfigError(
+                f"--plan: the run in {run_dir!r} was started with --micro-batch {config.micro_batch}, which "
+                "fixes how it splits the batch; resume it without --plan, or start a new run with --plan"
+            )
+        return config
     return dataclasses.replace(_DEFAULTS, **given)
 
 
@@ -253,7 +261,12 @@ def _maybe_init_distributed() -> bool:
     import torch.distributed as dist
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend)
+    # torchrun keeps one store across restarts (--max-restarts): the ranks' addresses of an earlier
+    # attempt are still in it, and restarted ranks would try to connect to processes that are gone.
+    # Each attempt gets keys of its own.
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    attempt = dist.PrefixStore(f"microbatch/attempt-{restart_count()}", store)
+    dist.init_process_group(backend=backend, store=attempt, rank=rank, world_size=world_size)
     return True
 
 
@@ -286,18 +299,18 @@ def _run(args: argparse.Namespace) -> int:
     status = exit_status(summary.stopped_by) if summary.interrupted else 0
     if not rank_zero:
         return status
+    # The run folder holds the record; a stdout or stderr that is gone does not change the status.
     if args.json:
         output: dict[str, Any] = summary.to_dict()
         output["wall_seconds"] = time.perf_counter() - started
-        print(dumps(output, sort_keys=True))
+        quiet.write(sys.stdout, dumps(output, sort_keys=True) + "\n")
     else:
-        print(summary)
-        print(f"plan: {Plan.from_dict(summary.plan).headline()}")
+        quiet.write(sys.stdout, f"{summary}\nplan: {Plan.from_dict(summary.plan).headline()}\n")
     if summary.interrupted:
-        print(
+        quiet.write(
+            sys.stderr,
             f"microbatch train: {summary.stopped_by or 'interrupted'} at step "
             f"{summary.steps_done}/{summary.total_steps}; checkpoint "
-            f"saved in {summary.checkpoint}. Resume with: {_resume_command(summary.run_dir)}",
-            file=sys.stderr,
+            f"saved in {summary.checkpoint}. Resume with: {_resume_command(summary.run_dir)}\n",
         )
     return status

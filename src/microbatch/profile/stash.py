@@ -9,10 +9,11 @@ changes is saved first, off the model's device:
   holds at most one tensor beyond the model while restoring.
 
 The temporary file is ``microbatch-stash-PID-*.pt`` in TMPDIR; it is removed on every exit path
-Python sees (an exception, SIGINT, and SIGTERM / SIGHUP, which end the process through
-SystemExit while it exists when they had their default action), and a file left by a process
-that was killed outright (SIGKILL, a power cut) is removed by the next stash made on the machine,
-once its PID is no longer running. A TMPDIR without room for the copy is an OSError (ENOSPC)
+Python sees (an exception, SIGINT, and SIGTERM / SIGHUP / SIGUSR1 / SIGUSR2 / SIGXCPU, which end
+the process through SystemExit while it exists when they had their default action), and a file
+left by a process that was killed outright (SIGKILL, a power cut) is removed by the next stash made
+on the machine, or the next ``microbatch train`` / ``plan`` started, once its PID is no longer
+running. A TMPDIR without room for the copy is an OSError (ENOSPC)
 saying so before anything is written.
 
 Saved: trainable parameters, all buffers, the ``.grad`` of every parameter (the tensors
@@ -45,7 +46,13 @@ logger = logging.getLogger(__name__)
 STASH_PREFIX = "microbatch-stash-"
 _STASH_NAME = re.compile(rf"^{STASH_PREFIX}(\d+)-[^/]*\.pt$")
 # Signals that end a process by default and are sent to end it politely (a terminal closing, kill).
-_POLITE_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+# SIGUSR1 / SIGUSR2 (Slurm's and SGE's warnings before a kill) and SIGXCPU (a CPU-time limit) too:
+# they end a process by default, so an unhandled one would leave the stash file behind.
+_POLITE_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGXCPU")
+    if hasattr(signal, name)
+)
 
 
 def _process_alive(pid: int) -> bool:
@@ -89,8 +96,9 @@ def _check_room(directory: str, needed_bytes: int) -> None:
 
 @contextlib.contextmanager
 def _polite_signals_exit() -> Iterator[None]:
-    """SIGTERM / SIGHUP raise SystemExit(128 + signal) inside the block (when they had their default
-    action), so ``finally`` clauses run and the stash file is removed; restored afterwards."""
+    """SIGTERM / SIGHUP / SIGUSR1/2 / SIGXCPU raise SystemExit(128 + signal) inside the block (when
+    they had their default action), so ``finally`` clauses run and the stash file is removed;
+    restored afterwards."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -20,7 +20,8 @@ temporaries left by killed writes are removed when a run starts or resumes. Ever
 window depends on is in them, so resuming at step N and training to 2N gives the same metrics
 and parameters as one run of 2N steps (bitwise on CPU). SIGINT, SIGTERM, SIGHUP, SIGUSR1/2 and
 SIGXCPU finish the window in progress, save and return a summary marked ``interrupted``
-(signals.py). Rank 0 holds the run folder's lock for the whole run (ownership.py). A training-time
+(signals.py). Rank 0 holds the run folder's lock, on the folder itself, for the whole run and
+writes through the folder opened once (ownership.py, pinned.py). A training-time
 out-of-memory error re-plans and runs the window again (loop.py). Under torchrun every rank trains
 on its own data stream, rank 0 alone plans, writes files and reports progress.
 
@@ -32,6 +33,9 @@ on its own data stream, rank 0 alone plans, writes files and reports progress.
     loop.py        the windows: evaluation, checkpoints, OOM recovery, skipped-step guard
     signals.py     SIGINT / SIGTERM / SIGHUP / ...: stop at a window boundary
     ownership.py   the run folder's marker and lock, folder names that never collide
+    pinned.py      the run folder opened once: writes through its descriptor, a moved folder noticed
+    integrity.py   checksums of the checkpoint and of the metrics it covers, verified on resume
+    elastic.py     torchrun --max-restarts: restarted ranks resume; a dead peer named
     summary.py     StepReport, TrainSummary
     run_folder.py  atomic writes, checkpoint files, metrics, loss.png
     flow.py        train(): the steps above in order

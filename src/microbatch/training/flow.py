@@ -19,7 +19,7 @@ import torch
 
 from .. import distributed
 from ..models.corpus import load_corpus
-from . import pipelined
+from . import elastic, pipelined
 from .config import TrainConfig, validate_config
 from .loop import Outcome, run_windows
 from .run_folder import (
@@ -34,7 +34,8 @@ from .run_folder import (
     write_json,
 )
 from .run_plan import PlanProgress, plan_for_run, planning_workload, resolve_device
-from .session import Session, build_model, build_session, restore, storage_error
+from .session import Session, build_model, build_session, check_folder, restore, storage_error
+from .signals import exit_on_stop_signals
 from .start import RunStart, open_run
 from .summary import StepReport, TrainSummary, whole_run_totals
 
@@ -59,6 +60,7 @@ def train(
     random state is left as it was.
     """
     validate_config(config)
+    config = elastic.restarted_config(config)  # torchrun restarted the ranks: resume the run
     device = resolve_device(config.device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(config.seed * 1000 + distributed.rank())
@@ -80,13 +82,21 @@ def _train_in(
     plan_progress: PlanProgress | None = None,
 ) -> TrainSummary:
     try:
-        session = _start_session(config, start, device, plan_progress)
+        with exit_on_stop_signals():  # a stop signal while planning cleans up (signals.py)
+            session = _start_session(config, start, device, plan_progress)
     except BaseException:
         if start.claim is not None and start.state is None:  # a new run that cannot start leaves nothing
             start.claim.abandon()
         raise
+    known = elastic.peers()  # every rank's host and PID, to name a rank that stops
     try:
         outcome = run_windows(session, progress=progress)
+    except RuntimeError as error:
+        if not elastic.is_peer_failure(error):
+            raise
+        raise elastic.peer_stopped(
+            error, known=known, run_dir=session.run_dir, checkpoint_step=session.checkpoint_step
+        ) from error
     finally:
         if session.checkpoint_handle is not None:  # the caller's model is plain again
             session.checkpoint_handle.remove()
@@ -116,17 +126,27 @@ def _start_session(
         )
     raw_model.zero_grad(set_to_none=True)
     session = build_session(config, run_dir=start.run_dir, device=device, raw_model=raw_model, plan=plan)
+    session.folder = start.claim.folder if start.claim is not None else None
     if start.state is not None:
         restore(session, start.state)
     if distributed.is_rank_zero():
-        write_json(os.path.join(session.run_dir, CONFIG_FILE), config.to_dict())
+        folder = session.folder
+        write_json(os.path.join(session.run_dir, CONFIG_FILE), config.to_dict(), folder=folder)
         plan_text = session.plan.to_json()
         atomic_write(
-            os.path.join(session.run_dir, PLAN_FILE), lambda file: file.write(plan_text), binary=False
+            os.path.join(session.run_dir, PLAN_FILE),
+            lambda file: file.write(plan_text),
+            binary=False,
+            folder=folder,
         )
         # metrics.jsonl as of the checkpoint: empty for a new run; a resumed run drops later lines.
         text = "".join(json.dumps(record) + "\n" for record in session.metrics)
-        atomic_write(os.path.join(session.run_dir, METRICS_FILE), lambda file: file.write(text), binary=False)
+        atomic_write(
+            os.path.join(session.run_dir, METRICS_FILE),
+            lambda file: file.write(text),
+            binary=False,
+            folder=folder,
+        )
         logger.info("plan: %s", session.plan.headline())
     return session
 
@@ -151,9 +171,12 @@ def finish(session: Session, outcome: Outcome) -> TrainSummary:
         **totals,
     )
     if distributed.is_rank_zero():
+        check_folder(session)
         try:
-            plot_losses(os.path.join(session.run_dir, PLOT_FILE), session.metrics)
-            write_json(os.path.join(session.run_dir, SUMMARY_FILE), summary.to_dict())
+            plot_losses(os.path.join(session.run_dir, PLOT_FILE), session.metrics, folder=session.folder)
+            write_json(os.path.join(session.run_dir, SUMMARY_FILE), summary.to_dict(), folder=session.folder)
         except OSError as error:
-            raise storage_error(session.run_dir, session.step, error) from error
+            raise storage_error(
+                session.run_dir, session.step, error, saved_step=session.checkpoint_step
+            ) from error
     return summary

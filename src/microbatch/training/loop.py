@@ -39,7 +39,7 @@ from . import pipelined
 from .max_tokens import split_window
 from .run_folder import METRICS_FILE, append_line
 from .run_plan import plan_without, planning_workload
-from .session import Session, accumulator, release_plan, save, storage_error, use_plan
+from .session import Session, accumulator, check_folder, release_plan, save, storage_error, use_plan
 from .signals import StopFlag
 from .summary import StepReport
 
@@ -343,9 +343,11 @@ def _append_metrics(session: Session, record: dict[str, Any]) -> None:
     if distributed.is_rank_zero():
         path = os.path.join(session.run_dir, METRICS_FILE)
         try:
-            append_line(path, json.dumps(record) + "\n")
+            append_line(path, json.dumps(record) + "\n", folder=session.folder)
         except OSError as error:
-            raise storage_error(path, session.step, error) from error
+            check_folder(session)  # the folder deleted or moved is the cause: say that
+            raise storage_error(path, session.step, error, saved_step=session.checkpoint_step) from error
+        check_folder(session)
 
 
 def run_windows(session: Session, *, progress: Callable[[StepReport], None] | None = None) -> Outcome:

@@ -3,9 +3,11 @@
 - **The marker** ``.microbatch-run.json`` (format and version) is written when microbatch creates
   a run folder. Resume recognises a run folder by it, never by file names alone; a folder from
   before markers existed is recognised by its checkpoint's own format field (and gets a marker).
-- **One writer**: ``.microbatch.lock`` holds an exclusive ``fcntl.flock`` for the whole run. The
-  kernel drops the lock when the process ends, however it ends (kill -9 included), so there is no
-  stale lock to clean; a second writer is refused at once with the holder's PID (written into the
+- **One writer**: the run folder itself (its descriptor, pinned.py) and ``.microbatch.lock`` hold
+  an exclusive ``fcntl.flock`` for the whole run. A cleanup that deletes the lock file cannot take
+  the folder's lock away, so a second writer is refused whatever happened to the file. The kernel
+  drops the locks when the process ends, however it ends (kill -9 included), so there is no stale
+  lock to clean; a second writer is refused at once with the holder's PID (written into the lock
   file). Under torchrun rank 0 alone claims the folder, before any rank writes (start.py).
 - **A new run writes only into a folder that does not exist or is empty** (or a microbatch folder
   whose run never saved a checkpoint). A folder holding anything else is refused, naming the first
@@ -24,10 +26,10 @@ import json
 import logging
 import os
 import re
-import stat
 from collections.abc import Iterable
 
 from ..errors import ConfigError, ResumeError
+from .pinned import PinnedFolder, open_no_follow
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +52,6 @@ MAX_NAME_SUFFIX = 1000
 def is_run_temporary(name: str) -> bool:
     """True for the temporary file of one of a run's own atomic writes (``.plan.json.123.ab12cd34.tmp``)."""
     return _TEMPORARY.match(name) is not None
-
-
-def open_no_follow(path: str, flags: int, mode: int = 0o666) -> int:
-    """os.open that refuses a symbolic link at ``path`` (ELOOP) and anything but a regular file."""
-    descriptor = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, mode)
-    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-        os.close(descriptor)
-        raise OSError(errno.EINVAL, "not a regular file", path)
-    return descriptor
 
 
 def read_marker(run_dir: str) -> dict[str, object] | None:
@@ -87,14 +80,14 @@ def read_marker(run_dir: str) -> dict[str, object] | None:
     return marker
 
 
-def write_marker(run_dir: str) -> None:
+def write_marker(folder: PinnedFolder) -> None:
     marker = {
         "format": RUN_FOLDER_FORMAT,
         "version": RUN_FOLDER_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "pid": os.getpid(),
     }
-    descriptor = open_no_follow(os.path.join(run_dir, MARKER_FILE), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    descriptor = folder.open(MARKER_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     with os.fdopen(descriptor, "w") as file:
         json.dump(marker, file)
         file.write("\n")
@@ -110,39 +103,71 @@ def foreign_files(names: Iterable[str], *, run_files: bool = False) -> list[str]
 
 
 class FolderLock:
-    """The exclusive flock on ``run_dir/.microbatch.lock``; ``release()`` (or process death) drops it."""
+    """The exclusive flocks on ``run_dir`` itself and on ``run_dir/.microbatch.lock``.
+
+    ``folder`` is the run folder opened once (pinned.py): the run writes through it. ``release()``
+    (or process death) drops both locks.
+    """
 
     def __init__(self, run_dir: str, *, flag: str) -> None:
-        self.run_dir = run_dir
-        path = os.path.join(run_dir, LOCK_FILE)
+        self.run_dir, self.flag = run_dir, flag
+        self.descriptor: int | None = None
         try:
-            self.descriptor: int | None = open_no_follow(path, os.O_RDWR | os.O_CREAT)
+            self.folder = PinnedFolder(run_dir)
         except OSError as error:
             raise ConfigError(
-                f"{flag} {run_dir!r}: cannot open the run's lock file {LOCK_FILE} "
-                f"({error.strerror or error}); choose another {flag}"
+                f"{flag} {run_dir!r}: cannot open the run folder ({error.strerror or error}); "
+                f"choose another {flag}"
             ) from error
         try:
-            fcntl.flock(self.descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            holder = os.pread(self.descriptor, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            descriptor = self._take()
+        except BaseException:
             self.release()
-            if error.errno in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
-                raise ConfigError(
-                    f"{flag} {run_dir!r} is in use by another microbatch run (PID {holder}); wait for it "
-                    f"to end (or stop it), or choose another {flag}"
-                ) from error
+            raise
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
+
+    def _take(self) -> int:
+        """Lock the folder, then open and lock the lock file; its descriptor."""
+        try:
+            self.folder.lock()  # first: a second writer is refused before it creates any file
+            self.descriptor = descriptor = self.folder.open(LOCK_FILE, os.O_RDWR | os.O_CREAT)
+        except BlockingIOError as error:
+            raise self._in_use() from error
+        except OSError as error:
             raise ConfigError(
-                f"{flag} {run_dir!r}: cannot lock the run folder ({error.strerror or error}); "
+                f"{self.flag} {self.run_dir!r}: cannot open the run's lock file {LOCK_FILE} "
+                f"({error.strerror or error}); choose another {self.flag}"
+            ) from error
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            if error.errno in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+                raise self._in_use() from error
+            raise ConfigError(
+                f"{self.flag} {self.run_dir!r}: cannot lock the run folder ({error.strerror or error}); "
                 f"choose a folder on a file system with locks (not every network file system has them)"
             ) from error
-        os.ftruncate(self.descriptor, 0)
-        os.pwrite(self.descriptor, f"{os.getpid()}\n".encode(), 0)
+        return descriptor
+
+    def _in_use(self) -> ConfigError:
+        holder = "unknown: its lock file was removed"
+        with contextlib.suppress(OSError):
+            descriptor = self.folder.open(LOCK_FILE, os.O_RDONLY)
+            try:
+                holder = os.pread(descriptor, 64, 0).decode("ascii", "replace").strip() or holder
+            finally:
+                os.close(descriptor)
+        return ConfigError(
+            f"{self.flag} {self.run_dir!r} is in use by another microbatch run (PID {holder}); wait for it "
+            f"to end (or stop it), or choose another {self.flag}"
+        )
 
     def release(self) -> None:
         if self.descriptor is not None:
             os.close(self.descriptor)  # closing the last descriptor drops the flock
             self.descriptor = None
+        self.folder.close()
 
 
 class FolderClaim:
@@ -151,6 +176,10 @@ class FolderClaim:
     def __init__(self, run_dir: str, lock: FolderLock, *, created_dir: bool, created_marker: bool) -> None:
         self.run_dir, self.lock = run_dir, lock
         self.created_dir, self.created_marker = created_dir, created_marker
+
+    @property
+    def folder(self) -> PinnedFolder:
+        return self.lock.folder
 
     def release(self) -> None:
         self.lock.release()
@@ -215,7 +244,7 @@ def claim_new_folder(run_dir: str, *, created: bool = False) -> FolderClaim:
                 f"--out {run_dir!r} already holds a run; continue it with --resume, or choose another --out"
             )
         if marker is None:
-            write_marker(run_dir)
+            write_marker(lock.folder)
     except (ResumeError, OSError) as error:
         lock.release()
         raise ConfigError(f"--out {run_dir!r}: {error}; choose another --out") from error
@@ -244,7 +273,7 @@ def claim_resumed_folder(run_dir: str, *, has_run_checkpoint: bool) -> FolderCla
     lock = FolderLock(run_dir, flag="--out")
     if marker is None:
         try:
-            write_marker(run_dir)
+            write_marker(lock.folder)
         except OSError as error:
             lock.release()
             raise ResumeError(f"--resume: cannot write {MARKER_FILE} in {run_dir!r} ({error})") from error

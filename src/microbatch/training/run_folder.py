@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import uuid
 from collections.abc import Callable
@@ -15,7 +16,9 @@ import torch
 
 from ..errors import ConfigError, ResumeError
 from .config import TrainConfig
-from .ownership import MARKER_FILE, foreign_files, is_run_temporary, open_no_follow
+from .integrity import checksum_problem, metrics_problem
+from .ownership import MARKER_FILE, foreign_files, is_run_temporary
+from .pinned import PinnedFolder, open_no_follow
 
 logger = logging.getLogger(__name__)
 
@@ -61,17 +64,24 @@ class _RecordingWriter:
         self.file.flush()
 
 
-def atomic_write(path: str, write: Callable[[Any], None], *, binary: bool = True) -> None:
+def atomic_write(
+    path: str, write: Callable[[Any], None], *, binary: bool = True, folder: PinnedFolder | None = None
+) -> None:
     """Write a file so a reader sees the old or the new content, never a part: temp, fsync, rename.
 
     A failed write (a full disk, a file-size limit, a quota) raises OSError with its errno, the old
     file untouched and the temporary file removed, also when the writer (torch.save) hides the
-    OSError inside a RuntimeError.
+    OSError inside a RuntimeError. ``folder``: the run folder opened once (pinned.py); the file is
+    written into it by ``path``'s last name, wherever the folder is now.
     """
+    name = os.path.basename(path)
+    dir_fd = folder.descriptor if folder is not None else None
     directory = os.path.dirname(os.path.abspath(path))
-    temporary = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    temporary = f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    if dir_fd is None:
+        temporary, name = os.path.join(directory, temporary), path
     # Mode 0o666 less the umask, like any new file (mkstemp would make it private to the owner).
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666, dir_fd=dir_fd)
     try:
         with os.fdopen(descriptor, "wb" if binary else "w") as file:
             recorder = _RecordingWriter(file)
@@ -83,12 +93,16 @@ def atomic_write(path: str, write: Callable[[Any], None], *, binary: bool = True
                 raise recorder.error from error
             file.flush()
             os.fsync(file.fileno())
-        os.replace(temporary, path)
+        os.replace(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(temporary)
+            os.unlink(temporary, dir_fd=dir_fd)
         raise
-    _fsync_directory(directory)
+    if dir_fd is not None:
+        with contextlib.suppress(OSError):
+            os.fsync(dir_fd)
+    else:
+        _fsync_directory(directory)
 
 
 def remove_stale_temporaries(run_dir: str) -> list[str]:
@@ -112,8 +126,10 @@ def remove_stale_temporaries(run_dir: str) -> list[str]:
     return removed
 
 
-def write_json(path: str, data: Any) -> None:
-    atomic_write(path, lambda file: json.dump(data, file, indent=2, sort_keys=True), binary=False)
+def write_json(path: str, data: Any, *, folder: PinnedFolder | None = None) -> None:
+    atomic_write(
+        path, lambda file: json.dump(data, file, indent=2, sort_keys=True), binary=False, folder=folder
+    )
 
 
 def check_writable(path: str) -> None:
@@ -151,6 +167,12 @@ def load_checkpoint(path: str) -> dict[str, Any]:
             f"version {CHECKPOINT_VERSION}; nothing was changed"
         )
     _check_checkpoint_fields(state, path)
+    problem = checksum_problem(state)
+    if problem is not None:
+        raise ResumeError(
+            f"--resume: the checkpoint {path!r} is damaged: {problem}; nothing was changed. Restore the "
+            "file from a copy, or start a new run with a different --out"
+        )
     return state
 
 
@@ -215,12 +237,18 @@ def latest_run_dir(root: str = "runs") -> str:
 
 # The fields of a metrics line that resuming reads back (loop.py's _record writes them all).
 _METRICS_NUMBERS = ("loss", "items", "peak_bytes", "seconds")
+_METRICS_COUNTS = ("items", "peak_bytes", "seconds")
 MAX_METRICS_LINE_BYTES = 1 << 20
 
 
-def append_line(path: str, line: str) -> None:
-    """Append ``line`` to the run's file at ``path``; never through a symbolic link (OSError ELOOP)."""
-    descriptor = open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+def append_line(path: str, line: str, *, folder: PinnedFolder | None = None) -> None:
+    """Append ``line`` to the run's file at ``path`` (by its last name inside ``folder`` when given);
+    never through a symbolic link (OSError ELOOP)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+    if folder is not None:
+        descriptor = folder.open(os.path.basename(path), flags)
+    else:
+        descriptor = open_no_follow(path, flags)
     with os.fdopen(descriptor, "w") as file:
         file.write(line)
 
@@ -240,19 +268,27 @@ def _metrics_record(raw: bytes, where: str) -> dict[str, Any]:
         value = record.get(name)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ResumeError(f"{where}: {name} {value!r} is not a number")
+        if name in _METRICS_COUNTS and not (math.isfinite(value) and value >= 0):
+            raise ResumeError(f"{where}: {name} {value!r} is not a non-negative count")
+    rate, items, seconds = record.get("tokens_per_second"), record["items"], record["seconds"]
+    if rate is not None and not math.isclose(rate, items / seconds if seconds > 0 else 0.0, rel_tol=1e-9):
+        raise ResumeError(f"{where}: tokens_per_second {rate!r} is not items / seconds ({items} / {seconds})")
     if not isinstance(record.get("skipped"), bool):
         raise ResumeError(f"{where}: skipped {record.get('skipped')!r} is not true or false")
     return record
 
 
-def read_metrics(path: str, *, up_to_step: int) -> list[dict[str, Any]]:
+def read_metrics(
+    path: str, *, up_to_step: int, checkpoint: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """metrics.jsonl's records of steps 1 to ``up_to_step`` (the checkpoint's), checked against it.
 
     The checkpoint at step N is written after the line of step N, so the file holds one line per
     step 1..N in order, then perhaps lines of steps the checkpoint does not cover (they are dropped:
     those steps run again) and perhaps a last line cut short by a kill (dropped too). Anything else
     (a line missing, duplicated, out of order or malformed; the file missing) is a ResumeError
-    naming the line: the run's history and its checkpoint disagree.
+    naming the line: the run's history and its checkpoint disagree; so are records with negative
+    counts, and lines that do not match the checksum ``checkpoint`` saved of them (integrity.py).
     """
     if up_to_step == 0 and not os.path.lexists(path):
         return []
@@ -280,6 +316,9 @@ def read_metrics(path: str, *, up_to_step: int) -> list[dict[str, Any]]:
         records.append(record)
     if len(records) != up_to_step:
         raise _metrics_mismatch(path, up_to_step, f"it holds steps 1 to {len(records)} only")
+    problem = metrics_problem(checkpoint, records) if checkpoint is not None else None
+    if problem is not None:
+        raise _metrics_mismatch(path, up_to_step, problem)
     return records
 
 
@@ -290,7 +329,7 @@ def _metrics_mismatch(path: str, up_to_step: int, what: str) -> ResumeError:
     )
 
 
-def plot_losses(path: str, metrics: list[dict[str, Any]]) -> None:
+def plot_losses(path: str, metrics: list[dict[str, Any]], *, folder: PinnedFolder | None = None) -> None:
     """loss.png: training loss per step and validation loss where it was measured."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -310,4 +349,4 @@ def plot_losses(path: str, metrics: list[dict[str, Any]]) -> None:
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    atomic_write(path, lambda file: figure.savefig(file, format="png"))
+    atomic_write(path, lambda file: figure.savefig(file, format="png"), folder=folder)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,9 @@ from ..models.workloads import build_seeded, gpt_optimizer
 from ..planner import Plan
 from . import pipelined
 from .config import PRECISIONS, TrainConfig, accumulation_schedule, lr_factor, scaled_hyperparameters
+from .integrity import seal
 from .max_tokens import TokenSteps, resolve_max_tokens
+from .pinned import PinnedFolder
 from .run_folder import (
     CHECKPOINT_FILE,
     CHECKPOINT_FORMAT,
@@ -63,6 +66,8 @@ class Session:
     )
     eval_rows: int | None = None  # validation sequences per forward after an evaluation OOM (loop.py)
     pipeline: Any = None  # a distributed.Pipeline under --pipeline S (pipelined.py); then no Accumulator
+    folder: PinnedFolder | None = None  # rank 0: the run folder opened once; every write goes through it
+    checkpoint_step: int | None = None  # the step of the last checkpoint in the run folder
 
 
 def build_model(config: TrainConfig, device: torch.device) -> GPT:
@@ -184,21 +189,24 @@ def checkpoint_state(session: Session) -> dict[str, Any]:
     if distributed.world_size() > 1:
         rank_states = [None] * distributed.world_size()
         torch.distributed.all_gather_object(rank_states, mine)
-    return {
-        "format": CHECKPOINT_FORMAT,
-        "version": CHECKPOINT_VERSION,
-        "step": session.step,
-        "config": session.config.to_dict(),
-        "model_config": session.raw_model.config.to_dict(),
-        "plan": session.plan.to_dict(),
-        "model": session.raw_model.state_dict(),
-        "optimizer": session.optimizer.state_dict(),
-        "scheduler": session.scheduler.state_dict(),
-        "scaler": session.scaler.state_dict() if session.scaler is not None else None,
-        "accumulator": accumulator(session).state_dict() if session.pipeline is None else None,
-        "replans": session.replans,  # so summary.json counts the whole run's re-plans after a resume
-        "ranks": rank_states,
-    }
+    return seal(
+        {
+            "format": CHECKPOINT_FORMAT,
+            "version": CHECKPOINT_VERSION,
+            "step": session.step,
+            "config": session.config.to_dict(),
+            "model_config": session.raw_model.config.to_dict(),
+            "plan": session.plan.to_dict(),
+            "model": session.raw_model.state_dict(),
+            "optimizer": session.optimizer.state_dict(),
+            "scheduler": session.scheduler.state_dict(),
+            "scaler": session.scaler.state_dict() if session.scaler is not None else None,
+            "accumulator": accumulator(session).state_dict() if session.pipeline is None else None,
+            "replans": session.replans,  # so summary.json counts the whole run's re-plans after a resume
+            "ranks": rank_states,
+        },
+        session.metrics,
+    )
 
 
 def restore(session: Session, state: dict[str, Any]) -> None:
@@ -227,8 +235,10 @@ def restore(session: Session, state: dict[str, Any]) -> None:
             f"--resume: {path!r} does not match this run ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''}); nothing was changed"
         ) from error
-    session.resumed_from_step = session.step
-    session.metrics = read_metrics(os.path.join(session.run_dir, METRICS_FILE), up_to_step=session.step)
+    session.resumed_from_step = session.checkpoint_step = session.step
+    session.metrics = read_metrics(
+        os.path.join(session.run_dir, METRICS_FILE), up_to_step=session.step, checkpoint=state
+    )
 
 
 def save(session: Session) -> None:
@@ -238,7 +248,7 @@ def save(session: Session) -> None:
     path = os.path.join(session.run_dir, CHECKPOINT_FILE)
     if distributed.is_rank_zero():
         try:
-            atomic_write(path, lambda file: torch.save(state, file))
+            atomic_write(path, lambda file: torch.save(state, file), folder=session.folder)
         except OSError as error:
             failure = error
     # Every rank waits for rank 0's write. A rank that returned at once could exit on a stop signal
@@ -246,21 +256,25 @@ def save(session: Session) -> None:
     # checkpoint is lost. The same all_reduce tells every rank whether the write failed.
     (failed_ranks,) = distributed.all_reduce_values([1.0 if failure is not None else 0.0])
     if failure is not None:
-        raise storage_error(path, session.step, failure) from failure
+        raise storage_error(path, session.step, failure, saved_step=session.checkpoint_step) from failure
     if failed_ranks:
         raise TrainingError(
             f"rank 0 could not write the checkpoint at step {session.step} (its error says why); "
             "this rank stops with it"
         )
+    session.checkpoint_step = session.step
 
 
-def storage_error(path: str, step: int, error: OSError) -> TrainingError:
-    """The clear error for a run-folder write that failed (a full disk, most often)."""
+def storage_error(path: str, step: int, error: OSError, *, saved_step: int | None) -> TrainingError:
+    """The clear error for a run-folder write that failed (a full disk, most often).
+
+    ``saved_step``: the step of the run's last checkpoint (None: none was saved yet).
+    """
     if error.errno == errno.ENOSPC:
         reason, fix = "the disk is full", "free space (or choose another --out)"
     elif error.errno == errno.EDQUOT:
         reason, fix = "the disk quota is exhausted", "free space in your quota (or choose another --out)"
-    elif error.errno in (errno.ELOOP, errno.EINVAL):  # ownership.open_no_follow's refusals
+    elif error.errno in (errno.ELOOP, errno.EINVAL):  # pinned.open_no_follow's refusals
         reason = "it is now a symbolic link or not a file; microbatch writes only the run's own files"
         fix = "put the run's own file back (or choose another --out)"
     elif error.errno == errno.EFBIG:
@@ -268,13 +282,41 @@ def storage_error(path: str, step: int, error: OSError) -> TrainingError:
         fix = "raise the limit (ulimit -f unlimited, or your scheduler's file-size limit)"
     else:
         reason, fix = error.strerror or str(error), "fix the cause (or choose another --out)"
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
-    if os.path.isfile(os.path.join(folder, CHECKPOINT_FILE)):
+    if saved_step is not None:
         return TrainingError(
-            f"cannot write {path!r} at step {step}: {reason}. The previous checkpoint is intact and the "
-            f"partial file was removed; {fix} and resume with --resume"
+            f"cannot write {path!r} at step {step}: {reason}. The last checkpoint (step {saved_step}) is "
+            f"intact and the partial file was removed; {fix} and resume with --resume"
         )
     return TrainingError(
         f"cannot write {path!r} at step {step}: {reason}. No checkpoint was saved yet (the partial file "
         f"was removed); {fix} and start the run again"
+    )
+
+
+def check_folder(session: Session) -> None:
+    """Rank 0: TrainingError when the run folder's name no longer leads to it (pinned.py).
+
+    A single process saves the window's checkpoint first, into the folder it started in (wherever
+    it is now); under torchrun the other ranks are told by the collective that follows.
+    """
+    folder = session.folder
+    if folder is None or not folder.moved():
+        return
+    where = folder.where_now()
+    if where is None:
+        raise TrainingError(
+            f"the run folder {folder.path!r} was deleted while the run trained (step {session.step}); "
+            "nothing more can be saved. Start the run again with a new --out"
+        )
+    if distributed.world_size() == 1 and session.checkpoint_step != session.step:
+        save(session)
+    saved = (
+        f"its last checkpoint is step {session.checkpoint_step}"
+        if session.checkpoint_step is not None
+        else "no checkpoint was saved yet"
+    )
+    raise TrainingError(
+        f"the run folder {folder.path!r} was moved or replaced while the run trained: the run's folder is "
+        f"now {where!r}. The run stopped at step {session.step} and wrote nothing through the old name; "
+        f"{saved}, in {where!r}. Resume with: microbatch train --resume --out {shlex.quote(where)}"
     )

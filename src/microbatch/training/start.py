@@ -16,6 +16,7 @@ from .. import distributed
 from ..distributed import decided_on_rank_zero
 from ..errors import ConfigError, ResumeError
 from ..planner import Plan
+from ..profile import stash
 from .config import RESUMABLE_CHANGES, TrainConfig
 from .ownership import FolderClaim, claim_new_folder, claim_resumed_folder, default_run_dir
 from .run_folder import (
@@ -48,6 +49,8 @@ class RunStart:
 
 def open_run(config: TrainConfig) -> RunStart:
     """The new run's folder (checked), or the resumed run's checkpoint (checked against ``config``)."""
+    if distributed.is_rank_zero():
+        stash.remove_stale_stashes()  # planner stash files of processes killed outright (kill -9)
     claims: list[FolderClaim] = []  # rank 0's claim (decided_on_rank_zero broadcasts the folder's name only)
     if not config.resume:
         run_dir = decided_on_rank_zero(lambda: _claim_new_run(config, claims), what="naming the run folder")
@@ -83,7 +86,7 @@ def _resumed_start(config: TrainConfig, run_dir: str, path: str, claim: FolderCl
         ) from error
     _check_resume_matches(config, saved_config, path)
     if distributed.is_rank_zero():  # checked before planning: the history must match the checkpoint
-        read_metrics(os.path.join(run_dir, METRICS_FILE), up_to_step=int(state["step"]))
+        read_metrics(os.path.join(run_dir, METRICS_FILE), up_to_step=int(state["step"]), checkpoint=state)
     start = RunStart(
         run_dir=run_dir, state=state, saved_config=saved_config, saved_plan=saved_plan, claim=claim
     )

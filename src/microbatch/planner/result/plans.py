@@ -28,6 +28,7 @@ from . import applying
 from .applying import inner_model
 from .checks import check_plan_data, read_plan_file
 from .pipeline_build import build_pipeline
+from .plan_file import write_plan_file
 from .text import NONE, plan_text, summarize_policies
 
 # The attribute of a model that a plan's apply() marks (holding the checkpoint handle, or None).
@@ -169,6 +170,7 @@ class Plan:
                 f"this plan cuts the model into {self.pipeline_stages} pipeline stages; build its pipeline "
                 "with plan.pipeline(model, example=..., loss_fn=...) on every rank instead of plan.apply"
             )
+        self.check_model(model)  # the blocks and parameter count the plan's memory promise is for
         options = dict(accumulator_options)
         if self.source != "manual":  # a manual plan measured nothing: the user vouches for every option
             options = applying.accumulator_options(
@@ -316,9 +318,10 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the plan as JSON (the same as a run folder's plan.json); ``Plan.load`` reads it back."""
-        with open(path, "w") as file:
-            file.write(self.to_json())
+        """Write the plan as JSON (the same as a run folder's plan.json); ``Plan.load`` reads it back.
+
+        Atomic (plan_file.py): a write cut short leaves the old file as it was."""
+        write_plan_file(os.fspath(path), self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
