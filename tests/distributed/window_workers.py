@@ -131,3 +131,37 @@ def one_window(m: int) -> dict[str, Any]:
         result[loss] = run_windows(loss, True, m, [3, 5])
     result["weight_decay"] = frozen_under_weight_decay(m)
     return result
+
+
+# ---------------------------------------------------------------------- property runs, shape agreement
+
+PROPERTY_SIZES = [2, 3, 4, 5, 6, 1]  # micro-batches per window: m = 2 divides 2, 4, 6; 1 to 3 steps
+
+
+def property_runs(m: int) -> dict[str, Any]:
+    """Every loss form, with and without frozen layers, over windows m does and does not divide."""
+    return {
+        f"{loss}-{'frozen' if frozen else 'all'}": run_windows(loss, frozen, m, PROPERTY_SIZES, seed=7)
+        for loss in LOSSES
+        for frozen in (False, True)
+    }
+
+
+def shape_error_on_one_replica(m: int) -> dict[str, Any]:
+    """2 replicas x 2 stages: replica 1's window has a micro-batch padded to a longer row (as a collator
+    padding each batch to its longest row makes); every rank must raise, then the next window runs."""
+    import torch.distributed as dist
+
+    pipe = build("masked_mean", True, m)
+    replica = pipe.layout.replica_index
+    window = pw.micro_batches(replica, [3, 2, 1])
+    if replica == 1:
+        tokens, labels = window[1]
+        window[1] = (F.pad(tokens, (0, 1)), F.pad(labels, (0, 1), value=IGNORE))
+    error = error_of(lambda: pipe.backward(window))
+    good = pw.micro_batches(10 + replica, [3, 2, 1])
+    stats = pipe.backward(good)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.0)
+    pipe.step(optimizer)
+    dist.barrier()
+    return {"error": error, "stats": stats.to_dict(), "replica": replica}
