@@ -50,6 +50,26 @@ def gpt_workload() -> mb.Workload:
     )
 
 
+def test_frozen_weights_are_charged_as_weights_only() -> None:
+    # The Pipeline gives frozen parameters no gradient and no optimizer state (tests/distributed/
+    # test_pipeline_window.py), so a stage's gradients and state are priced on its trainable bytes.
+    model = GPT(CONFIG)
+    names = [f"blocks.{i}" for i in range(CONFIG.n_layer)]
+    unfrozen = stage_parameters(model, names, [2])
+    frozen_bytes = [0, 0]
+    for stage, prefix in ((0, "blocks.0."), (1, "ln_f.")):
+        for name, parameter in model.named_parameters():
+            if name.startswith(prefix):
+                parameter.requires_grad_(False)
+                frozen_bytes[stage] += parameter.numel() * parameter.element_size()
+    frozen = stage_parameters(model, names, [2])
+    for stage in (0, 1):
+        assert frozen_bytes[stage] > 0
+        assert frozen[stage].parameter_bytes == unfrozen[stage].parameter_bytes  # weights still held
+        assert unfrozen[stage].trainable_bytes == unfrozen[stage].parameter_bytes
+        assert frozen[stage].trainable_bytes == unfrozen[stage].parameter_bytes - frozen_bytes[stage]
+
+
 def test_in_flight_per_schedule() -> None:
     assert in_flight("gpipe", 4, 8) == (8, 8, 8, 8)
     assert in_flight("1f1b", 4, 8) == (4, 3, 2, 1)
@@ -180,6 +200,15 @@ def test_pipeline_options_are_checked() -> None:
     for option in ({"accumulate_dtype": torch.float32}, {"scaler": True}):
         with pytest.raises(ConfigError, match=f"{next(iter(option))} with pipeline=2"):
             mb.plan(gpt_workload(), batch=8, memory="64MiB", pipeline=2, trial=False, **option)
+
+
+def test_a_pipeline_plan_with_a_scaler_or_wide_sums_is_refused_by_name(one_process_plan: mb.Plan) -> None:
+    # A hand-edited plan may carry options the Pipeline cannot honour: refused by name, never ignored.
+    example = torch.zeros(one_process_plan.micro_batch_size, CONFIG.block_size, dtype=torch.long)
+    for field, value in (("scaler", True), ("accumulate_dtype", "float32")):
+        edited = replace(one_process_plan, **{field: value})
+        with pytest.raises(ConfigError, match=f"a pipeline plan does not honour {field}="):
+            edited.pipeline(GPT(CONFIG), example=example, loss_fn=token_loss)
 
 
 def test_simulated_dp_by_pp_by_fsdp_plan_has_stage_peaks_and_the_comparison(

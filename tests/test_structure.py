@@ -99,32 +99,37 @@ ROOT_MODULES = {"__init__.py", "__main__.py", "cli.py", "errors.py", "workload.p
 # below the profile that measures them. A lower layer never imports a higher one.
 ALLOWED_IMPORTS: dict[str, set[str]] = {
     "errors": set(),
+    "stepping": {"errors"},
     "trees": {"errors"},
     "memory": {"errors", "trees"},
     "workload": {"errors", "memory"},
-    "distributed": {"errors", "trees"},
-    "accumulate": {"errors", "trees", "memory", "distributed"},
+    "distributed": {"errors", "trees", "stepping"},
+    "accumulate": {"errors", "trees", "memory", "distributed", "stepping"},
     "checkpointing": {"errors", "trees", "memory", "workload"},
-    "verification": {"errors", "trees", "memory", "workload", "distributed", "accumulate"},
-    "profile": {"errors", "trees", "memory", "workload", "distributed", "accumulate", "checkpointing"},
+    "verification": {"errors", "trees", "memory", "workload", "distributed", "accumulate", "stepping"},
+    "profile": {
+        "errors", "trees", "memory", "workload", "distributed", "accumulate", "checkpointing", "stepping",
+    },
     "planner": {
         "errors", "trees", "memory", "workload", "distributed", "accumulate", "checkpointing", "profile",
+        "stepping",
     },
     "models": {"errors", "trees", "memory", "workload"},
     "hf": {
         "errors", "trees", "memory", "workload", "distributed", "accumulate", "checkpointing", "profile",
-        "planner", "models",
+        "planner", "models", "stepping",
     },
     "lightning": {
         "errors", "trees", "memory", "workload", "distributed", "accumulate", "checkpointing", "planner",
+        "stepping",
     },
     "training": {
         "errors", "trees", "memory", "workload", "distributed", "accumulate", "checkpointing", "profile",
-        "planner", "models",
+        "planner", "models", "stepping",
     },
     "commands": {
         "errors", "trees", "memory", "workload", "distributed", "accumulate", "checkpointing", "profile",
-        "planner", "models", "hf", "training", "verification",
+        "planner", "models", "hf", "training", "verification", "stepping",
     },
     "cli": {"errors", "commands", "distributed", "__init__"},
     "__main__": {"cli"},

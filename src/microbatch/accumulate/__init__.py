@@ -7,7 +7,7 @@ discard path (``state``), the step arithmetic (``window``), feeding micro-batche
 (``batchnorm``), batch-size schedules (``schedules``), windows cut by tokens (``tokens``) and
 gradient caching for losses that couple a batch (``cached``).
 
-May import: ``errors``, ``trees``, ``memory``, ``distributed``. Never the profile, planner or
+May import: ``errors``, ``trees``, ``memory``, ``distributed``, ``stepping``. Never the profile, planner or
 training. Invariant: a window's gradient is sum_i(items_i * grad loss_i) / sum_i(items_i) over every
 micro-batch and every rank, for any split, a short last micro-batch and a partial last window;
 the optimizer steps once per window (a step that began is never redone).

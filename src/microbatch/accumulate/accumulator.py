@@ -52,6 +52,7 @@ from torch import nn
 
 from .. import distributed
 from ..errors import ConfigError, UsageError
+from ..stepping.step_guard import refuse_retry, refuse_work_while_step_unfinished
 from ..trees.batches import batch_size_of
 from .batchnorm import BatchNormWindows
 from .foreign import refuse_foreign_accumulation
@@ -229,11 +230,13 @@ class Accumulator:
         """
         state = self._state
         state.require_open("backward()")
-        if state.step_began:
-            raise UsageError(
-                f"backward() while window {state.window}'s step() is unfinished: call step() again "
-                "(or discard_window() after restoring from a checkpoint, if step() says so)"
-            )
+        refuse_work_while_step_unfinished(
+            state.progress,
+            "backward()",
+            state.window,
+            fix="call step() again "
+            "(or discard_window() after restoring from a checkpoint, if step() says so)",
+        )
         if state.awaiting_step:
             raise UsageError(
                 "backward() after the window's last micro-batch: call step() first "
@@ -323,18 +326,7 @@ class Accumulator:
 
     def _check_step_call(self, partial: bool) -> None:
         state = self._state
-        if state.progress.mutated:
-            raise UsageError(
-                f"step() again after window {state.window}'s optimizer step raised having already changed "
-                "parameters or optimizer state: a retry would apply part of the step twice. Restore model "
-                "and optimizer from a checkpoint, then call acc.discard_window()"
-            )
-        if state.progress.scaling_failed:
-            raise UsageError(
-                f"step() again after window {state.window}'s step() raised while unscaling or normalising "
-                "its gradients: they are partly scaled, so a retry would not be exact. Nothing was stepped: "
-                "drop the window with acc.discard_window()"
-            )
+        refuse_retry(state.progress, state.window, drop="acc.discard_window()")
         if state.micro_batches == 0:
             raise UsageError("step() with no backward() in this window: there is no gradient to apply")
         if state.awaiting_step:
@@ -380,7 +372,7 @@ class Accumulator:
     def _finish_window(self) -> WindowStats:
         """After the optimizer step: scaler update, scheduler step, zero; each done once per window."""
         progress = self._state.progress
-        stats = progress.stats
+        stats: WindowStats | None = progress.stats
         if stats is None:  # set by _apply_window before this runs; narrows the type
             raise UsageError("step(): the window has no optimizer step to finish")
         if not progress.scaler_updated:

@@ -20,29 +20,11 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from .micro import Micro, WindowStats, tensor_item_flags
+from ..stepping.step_guard import StepProgress
+from .micro import Micro, tensor_item_flags
 from .precision import WideGradients, wide_parameters
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepProgress:
-    """How far the window's step() got, so a retry redoes only what did not happen.
-
-    ``scaling_failed``: unscaling or normalising raised (the window can only be dropped).
-    ``optimizer_raised``: optimizer.step() raised (the gradients were restored). ``mutated``: it had
-    changed parameters or optimizer state in place before raising (a retry would apply part of the
-    step twice). ``stats``: set once the optimizer step returned; the scaler update and the
-    scheduler step follow, each marked done as it returns.
-    """
-
-    scaling_failed: bool = False  # unscaling / normalising raised: the gradients are partly scaled
-    optimizer_raised: bool = False
-    mutated: bool = False
-    stats: WindowStats | None = None
-    scaler_updated: bool = False
-    scheduled: bool = False
 
 
 @dataclass(eq=False)
@@ -79,7 +61,7 @@ class WindowState:
 
     @property
     def step_began(self) -> bool:
-        return self.progress.optimizer_raised or self.progress.stats is not None
+        return self.progress.began
 
     def reset(self) -> None:
         """Counts back to an empty window (the gradients are the caller's: see discard/finish)."""

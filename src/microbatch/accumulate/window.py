@@ -12,13 +12,13 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from .. import distributed
-from ..errors import ConfigError, UsageError
+from ..errors import ConfigError
+from ..stepping.step_guard import guarded_optimizer_step, require_items
 from .state import WindowState
 
 logger = logging.getLogger(__name__)
@@ -75,8 +75,7 @@ def agree_on_totals(
         local = distributed.all_reduce_values(local)
         averaged_over = distributed.world_size()  # DDP and FSDP2 divide the summed gradient by W
     total_items, total_loss, total_micro_batches, state.ranks_with_more = local
-    if total_items <= 0:
-        raise UsageError("step() on a window without items on any rank: there is no gradient to apply")
+    require_items(total_items, "step()")
     return total_items, total_loss, total_micro_batches, averaged_over
 
 
@@ -170,15 +169,12 @@ def optimizer_step(
 ) -> None:
     """The optimizer step (skipped on a non-finite norm), undone with restore_gradients if it raises.
 
-    Whether the optimizer had changed anything before it raised is read from version counters:
-    every in-place write to a tensor (p.add_, a foreach op, ``state["step"] += 1``) bumps its
-    ``_version``, and state created for a parameter adds entries. Their sum before and after
-    tells a clean failure (a retry is exact) from a half-made step (a retry would apply part of it
-    twice: step() then refuses it). A kernel that writes without bumping versions (fused AdamW)
-    still bumps its step counters first, so it is caught too.
+    Whether the optimizer had changed anything before it raised is read from version counters
+    (stepping.step_guard.guarded_optimizer_step): a clean failure may be retried, a half-made step
+    may not (step() then refuses it).
     """
-    before = _fingerprint(optimizer)
-    try:
+
+    def run() -> None:
         if scaler is not None:
             scaler.step(optimizer)  # skips by itself when unscale_ found inf/nan
         elif not scaled.skipped:
@@ -189,10 +185,15 @@ def optimizer_step(
                 state.window,
                 scaled.grad_norm,
             )
+
+    try:
+        guarded_optimizer_step(
+            state.progress,
+            optimizer,
+            run,
+            on_raise=lambda: restore_gradients(state, optimizer, scaler, scaled),
+        )
     except BaseException:
-        restore_gradients(state, optimizer, scaler, scaled)
-        state.progress.optimizer_raised = True
-        state.progress.mutated = state.progress.mutated or _fingerprint(optimizer) != before
         logger.warning(
             "window %d: the optimizer step raised; %s",
             state.window,
@@ -203,16 +204,3 @@ def optimizer_step(
             "or the window dropped with discard_window()",
         )
         raise
-
-
-def _fingerprint(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
-    """(state entries, summed version counters) of the parameters and the optimizer state: both only grow."""
-    entries = versions = 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            versions += p._version
-            per_parameter: Any = optimizer.state.get(p)
-            if per_parameter:
-                entries += len(per_parameter)
-                versions += sum(v._version for v in per_parameter.values() if isinstance(v, torch.Tensor))
-    return entries, versions

@@ -3,12 +3,13 @@
 ``process``: rank, world size, starting and ending the process group, rank-0 logging;
 ``sync``: DDP / FSDP2 gradient sync switched per micro-batch; ``collectives``: control numbers
 summed or maxed over ranks; ``pipeline``: a model cut into stages over the ranks (``Pipeline``, on
-torch.distributed.pipelining) with exact item-weighted windows, ``stages`` (the DP x PP layout and
+torch.distributed.pipelining) with exact item-weighted windows, ``pipeline_batches`` (padding,
+pipeline steps, shape checks agreed by every rank), ``stages`` (the DP x PP layout and
 where to cut) and ``stage_grads`` (sums over replicas and tied copies, the global norm); ``link`` measures the
 ranks' point-to-point latency and bandwidth for the pipeline planner. ``launch`` (not
 re-exported) starts N local processes for tests and benchmarks; users launch with torchrun.
 
-May import: ``errors``, ``trees``. Invariant: every collective runs on every rank at the same
+May import: ``errors``, ``trees``, ``stepping``. Invariant: every collective runs on every rank at the same
 point of the loop, or it would hang.
 """
 

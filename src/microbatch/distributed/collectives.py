@@ -67,6 +67,25 @@ def all_reduce_max_(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def agree_on_status(status: str | None, *, what: str) -> None:
+    """Every rank says how its part went (None: fine, else its error); an error on any rank raises a
+    ConfigError on every rank, naming the rank and its error. For checks that run before a collective
+    and may fail on some ranks only (a batch shaped differently on one replica): without this, the
+    ranks that passed would wait in the collective for the ones that raised. One all_gather of
+    short strings on the control group; plain ``status`` check when not distributed."""
+    statuses: list[Any] = [status]
+    if is_initialized() and world_size() > 1:
+        statuses = [None] * world_size()
+        dist.all_gather_object(statuses, status, group=_control_group())
+    failed = [(index, text) for index, text in enumerate(statuses) if text is not None]
+    if not failed:
+        return
+    first, text = failed[0]
+    others = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
+    where = f"rank {first}{others}" if is_initialized() else "this process"
+    raise ConfigError(f"{what} stopped on every rank: on {where}: {text}")
+
+
 def decided_on_rank_zero(decide: Callable[[], _T], *, what: str) -> _T:
     """``decide()`` on rank 0 alone, its result (or its error) on every rank (plain ``decide()`` alone).
 

@@ -12,14 +12,22 @@ micro-batch's loss is weighted by its share of the whole window:
 so the summed gradient is exactly the gradient of the mean loss over every item of the optimizer
 step, whatever the token counts. A micro-batch with fewer rows is padded with rows whose labels are
 all ``ignore_index`` (weight 0); a last pipeline step with fewer micro-batches is filled with
-micro-batches of padding alone. The stages' gradients are then summed over replicas and tied
-copies (stage_grads), and clipped on the norm of the whole model's gradient.
+micro-batches of padding alone (pipeline_batches). Items are counted from the labels before the loss
+is called: a micro-batch without items adds an exact zero and the user's loss is not called on it
+(a masked mean ``(per_token * mask).sum() / mask.sum()`` would be 0/0 there, NaN in every gradient).
+The stages' gradients are then summed over replicas and tied copies (stage_grads), and clipped on the
+norm of the whole model's gradient. Only trainable parameters (``requires_grad``) get a gradient,
+are reduced, clipped and listed for the optimizer; frozen ones are left as they are.
+
+The window's step keeps the Accumulator's rules (stepping.step_guard): a window without items on
+any rank is refused, a step that began is never repeated (backward() waits for step() to finish,
+a half-made step is not retried), and every rank agrees on the window's shapes before the first
+collective, so an error on one replica raises on every rank.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -28,8 +36,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import ConfigError
-from .collectives import all_reduce_values
+from ..errors import ConfigError, UsageError
+from ..stepping.step_guard import (
+    StepProgress,
+    guarded_optimizer_step,
+    refuse_retry,
+    refuse_work_while_step_unfinished,
+    require_items,
+)
+from .collectives import agree_on_status, all_reduce_values
+from .pipeline_batches import count_items, padded_window, pipeline_steps
 from .stage_grads import clip_, global_grad_norm, reduce_gradients_, tied_sets, used_parameter_names
 from .stages import PipelineLayout, pipeline_layout, stage_starts
 from .sync import data_parallel_kind
@@ -114,6 +130,9 @@ class Pipeline:
             for module in self.modules:
                 _autocast_forward(module, example.device.type, autocast_dtype)
         self._schedule = self._make_schedule()
+        self.window = 0  # windows stepped (or dropped): the index of the one in progress
+        self._progress = StepProgress()
+        self._awaiting_step = False
         self._global_items = 1.0
         self._loss_sum = 0.0
         self._items_seen = 0.0
@@ -147,8 +166,11 @@ class Pipeline:
                 f"{self.stage_starts} must be modules the forward calls once, in order"
             )
         every_module = [pipe.get_stage_module(i) for i in range(total_stages)]
+        trainable = {name: p.requires_grad for name, p in model.named_parameters(remove_duplicate=False)}
         for module in every_module:
             _generated_code_(module)
+            for name, parameter in module.named_parameters(remove_duplicate=False):
+                parameter.requires_grad_(trainable.get(name, parameter.requires_grad))  # frozen stays frozen
         stages = [pipe.build_stage(i, device, group=self.layout.pipe_group) for i in self.stage_indices]
         size = self.layout.num_stages
         tied = tied_sets(
@@ -169,8 +191,9 @@ class Pipeline:
         single = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
         return single(self._stages[0], **common)
 
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's trained parameters (its stages' used ones; tied copies included), by model name."""
+    def named_weights(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Every parameter this rank's stages use (tied copies included, frozen ones too), by model name:
+        for copying weights into or out of the stages."""
         seen: set[int] = set()
         for module in self.modules:
             used = used_parameter_names(module)
@@ -178,6 +201,11 @@ class Pipeline:
                 if name in used and id(parameter) not in seen:
                     seen.add(id(parameter))
                     yield name, parameter
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's trained parameters (its stages' used ones that require grad; tied copies
+        included), by model name. Frozen ones get no gradient and are not handed to the optimizer."""
+        return ((name, p) for name, p in self.named_weights() if p.requires_grad)
 
     def parameters(self) -> list[nn.Parameter]:
         return [parameter for _, parameter in self.named_parameters()]
@@ -193,7 +221,11 @@ class Pipeline:
     # ------------------------------------------------------------------ one window
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss for one micro-batch: mean_i * items_i / global_items (see the top)."""
+        """The schedule's loss for one micro-batch: mean_i * items_i / global_items (see the top).
+
+        A micro-batch without items (all padding) is an exact zero: the loss is not called on it."""
+        if count_items(target, self.ignore_index) == 0:
+            return output.sum() * 0.0
         with self._autocast():
             result = self._loss_fn(output, target)
         if not (isinstance(result, tuple) and len(result) == 2):
@@ -214,42 +246,89 @@ class Pipeline:
         On return every trained parameter's ``.grad`` holds its part of the gradient of the window's
         global mean loss (summed over replicas and tied copies), clipped when ``max_grad_norm`` is set.
         Every rank of a replica passes the same ``batches``; replicas pass their own (a replica whose
-        data has run out passes [] and adds nothing, while the others finish the window).
+        data has run out passes [] and adds nothing, while the others finish the window). Then
+        ``step(optimizer)``: a second backward() before it is refused (it would add two windows).
         """
-        padded = [self._pad(batch, index) for index, batch in enumerate(batches)]
-        local_items = sum(float((labels != self.ignore_index).sum()) for _, labels in padded)
+        self._check_window_start()
+        padded, problem = padded_window(batches, self._example, self.ignore_index)
+        # Agreed before any collective: a shape error on one replica raises on every rank.
+        agree_on_status(problem, what=f"Pipeline.backward() of window {self.window}")
+        local_items = float(sum(count_items(labels, self.ignore_index) for _, labels in padded))
         global_items = self._sum_over_replicas(local_items)
-        # No item anywhere: every loss weight is 0; dividing by 1 keeps the gradients zero.
-        self._global_items = global_items if global_items > 0 else 1.0
+        require_items(global_items, "Pipeline.backward()")
+        self._global_items = global_items
         self._loss_sum, self._items_seen, self._bad_loss = 0.0, 0.0, False
-        steps = math.ceil(len(padded) / self.micro_batches)
-        if padded:
-            padded += [self._empty(padded[0])] * (steps * self.micro_batches - len(padded))
-        for step in range(steps):
-            chunk = padded[step * self.micro_batches : (step + 1) * self.micro_batches]
+        self._awaiting_step = True
+        steps = pipeline_steps(padded, self.micro_batches, self.ignore_index)
+        for chunk in steps:
             self._run_step(chunk)
         loss_sum = self._check_window(local_items)
-        for parameter in self.parameters():
+        parameters = self.parameters()
+        for parameter in parameters:
             if parameter.grad is None:  # no micro-batch here: every replica still reduces the same list
                 parameter.grad = torch.zeros_like(parameter)
-        reduce_gradients_(self.parameters(), self._tied, self.layout.stage_group)
-        norm = global_grad_norm(self.parameters(), self._tied, self.layout.pipe_group)
+        reduce_gradients_(parameters, self._tied, self.layout.stage_group)
+        norm = global_grad_norm(parameters, self._tied, self.layout.pipe_group)
         if max_grad_norm is not None:
-            clip_(self.parameters(), norm, max_grad_norm)
+            clip_(parameters, norm, max_grad_norm)
         return PipelineStats(
             loss=loss_sum / self._global_items,
             items=int(global_items),
             micro_batches=len(batches),
-            pipeline_steps=steps,
+            pipeline_steps=len(steps),
             grad_norm=norm,
         )
 
+    def _check_window_start(self) -> None:
+        refuse_work_while_step_unfinished(
+            self._progress,
+            "Pipeline.backward()",
+            self.window,
+            fix="call pipe.step(optimizer) again (or pipe.discard_window() after restoring model and "
+            "optimizer from a checkpoint, if step() says so)",
+        )
+        if self._awaiting_step:
+            raise UsageError(
+                f"Pipeline.backward() twice for window {self.window}: its gradients would add into the "
+                "last window's; call pipe.step(optimizer) (or pipe.discard_window()) between windows"
+            )
+
     def step(self, optimizer: torch.optim.Optimizer, scheduler: Any | None = None) -> None:
-        """The window's one optimizer step (and scheduler step), then the gradients cleared."""
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
+        """The window's one optimizer step (and scheduler step), then the gradients cleared.
+
+        As the Accumulator's step(): if the optimizer raised having changed nothing, a retry is exact;
+        if it had changed parameters or state, a retry is refused (restore from a checkpoint, then
+        discard_window()); if the scheduler raised, a retry runs only the scheduler.
+        """
+        progress = self._progress
+        if progress.stats is None:
+            refuse_retry(progress, self.window, drop="pipe.discard_window()")
+            if not self._awaiting_step:
+                raise UsageError("Pipeline.step() with no backward() in this window: there is no gradient")
+            guarded_optimizer_step(progress, optimizer, optimizer.step)
+            progress.stats = self.window
+        if not progress.scheduled:
+            if scheduler is not None:
+                scheduler.step()
+            progress.scheduled = True
         optimizer.zero_grad(set_to_none=True)
+        self._end_window()
+
+    def discard_window(self) -> None:
+        """Drop the window in progress (its gradients); refused once its optimizer step is done."""
+        if self._progress.stats is not None:
+            raise UsageError(
+                f"discard_window(): window {self.window}'s optimizer step is done (the scheduler raised); "
+                "call pipe.step(optimizer, scheduler) again: it runs only what did not happen"
+            )
+        for _, parameter in self.named_weights():
+            parameter.grad = None
+        self._end_window()
+
+    def _end_window(self) -> None:
+        self.window += 1
+        self._progress = StepProgress()
+        self._awaiting_step = False
 
     def _run_step(self, chunk: Sequence[Batch]) -> None:
         # torch's step() cuts the concatenation back into the m equal micro-batches (tensor_split).
@@ -291,33 +370,6 @@ class Pipeline:
                 "return the count of the items the mean is over, or set ignore_index"
             )
         return loss_sum
-
-    def _pad(self, batch: Batch, index: int) -> Batch:
-        inputs, labels = batch
-        rows, full_rows = inputs.shape[0], self._example.shape[0]
-        if inputs.shape[1:] != self._example.shape[1:] or labels.shape[0] != rows:
-            raise ConfigError(
-                f"micro-batch {index}: inputs {tuple(inputs.shape)} / labels {tuple(labels.shape)} do not "
-                f"fit the example's shape {tuple(self._example.shape)}: every micro-batch needs the "
-                "example's trailing shape (pad sequences to it) and one label row per input row"
-            )
-        if rows > full_rows:
-            raise ConfigError(
-                f"micro-batch {index} has {rows} rows, more than the example's {full_rows}; "
-                f"give an example of {rows} rows or cut the micro-batch"
-            )
-        if rows == full_rows:
-            return inputs, labels
-        extra = full_rows - rows
-        pad_inputs = torch.zeros((extra, *inputs.shape[1:]), dtype=inputs.dtype, device=inputs.device)
-        pad_labels = torch.full(
-            (extra, *labels.shape[1:]), self.ignore_index, dtype=labels.dtype, device=labels.device
-        )
-        return torch.cat([inputs, pad_inputs]), torch.cat([labels, pad_labels])
-
-    def _empty(self, like: Batch) -> Batch:
-        """A micro-batch of padding alone (weight 0): fills the last pipeline step of a window."""
-        return torch.zeros_like(like[0]), torch.full_like(like[1], self.ignore_index)
 
 
 def _generated_code_(stage: nn.Module) -> None:

@@ -210,9 +210,7 @@ def gather_model_(pipe: Pipeline, raw_model: nn.Module) -> None:
     Replica 0's ranks hold every stage once; the replicas are identical (same gradients, same steps).
     """
     mine = (
-        {name: p.detach().cpu() for name, p in pipe.named_parameters()}
-        if pipe.layout.replica_index == 0
-        else {}
+        {name: p.detach().cpu() for name, p in pipe.named_weights()} if pipe.layout.replica_index == 0 else {}
     )
     gathered: list[Any] = [None] * distributed.world_size()
     dist.all_gather_object(gathered, mine)
@@ -232,5 +230,5 @@ def scatter_model_(pipe: Pipeline, raw_model: nn.Module) -> None:
     """Copy ``raw_model``'s weights (just restored from a checkpoint) into this rank's stages."""
     weights = dict(raw_model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
-        for name, parameter in pipe.named_parameters():
+        for name, parameter in pipe.named_weights():
             parameter.copy_(weights[name])

@@ -17,6 +17,7 @@ from ...checkpointing.api import CheckpointHandle, checkpoint
 from ...distributed import world_size
 from ...distributed.pipeline import LossFn, Pipeline
 from ...errors import ConfigError
+from ...stepping.step_guard import refuse_option
 
 Plan = Any  # plans.Plan (plans.py imports this module)
 
@@ -46,6 +47,24 @@ def build_pipeline(
         raise ConfigError(
             "this plan has no pipeline (pipeline_stages=1); use plan.apply(model, optimizer), or plan with "
             "mb.plan(..., pipeline=S)"
+        )
+    # The Pipeline keeps the Accumulator's step rules but has no GradScaler and no wide sums: refused
+    # by name rather than run without them (a saved plan may carry either).
+    if plan.scaler:
+        refuse_option(
+            "scaler",
+            plan.scaler,
+            "a pipeline plan",
+            "fp16's GradScaler is not supported in "
+            "pipeline stages; plan with bf16 autocast (autocast_dtype=torch.bfloat16) or float32",
+        )
+    if plan.accumulate_dtype is not None:
+        refuse_option(
+            "accumulate_dtype",
+            plan.accumulate_dtype,
+            "a pipeline plan",
+            "the pipeline sums "
+            "each stage's gradients in the parameters' dtype; plan without accumulate_dtype",
         )
     ranks = plan.world_size * plan.pipeline_stages
     if world_size() != ranks:
