@@ -11,12 +11,15 @@ spaced indices, and the plan's note says so (the longest unread sample may be lo
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ..errors import InfeasibleBudgetError
 
 logger = logging.getLogger(__name__)
 
@@ -120,24 +123,30 @@ def trainer_lengths(trainer: Any) -> DatasetLengths | None:
     return read_lengths(dataset)
 
 
-def longest_note(lengths: DatasetLengths, micro_batch_size: int) -> str:
+def longest_notes(lengths: DatasetLengths | None, micro_batch_size: int) -> tuple[str, ...]:
     """The plan's note: what it was profiled and proved on, and why that covers the run."""
+    if lengths is None:
+        return ()
     counted = lengths.longest_lengths(micro_batch_size)
     shown = ", ".join(str(n) for n in counted[:8]) + (", ..." if len(counted) > 8 else "")
     return (
         f"trial on the {micro_batch_size} longest samples: {shown} tokens (profiled on the longest too; "
-        f"every micro-batch of {micro_batch_size} the sampler draws is no longer); {lengths.describe()}"
+        f"every micro-batch of {micro_batch_size} the sampler draws is no longer); {lengths.describe()}",
     )
 
 
-def refusal_for_lengths(error: Exception, lengths: DatasetLengths | None) -> Exception:
-    """``error`` (an InfeasibleBudgetError) with the sample lengths it planned for named."""
-    if lengths is None:
-        return error
-    from ..errors import InfeasibleBudgetError
+@contextlib.contextmanager
+def lengths_in_refusals(lengths: DatasetLengths | None) -> Iterator[None]:
+    """An InfeasibleBudgetError raised inside names the sample lengths it planned for."""
+    try:
+        yield
+    except InfeasibleBudgetError as error:
+        if lengths is None:
+            raise
+        raise _refusal_for_lengths(error, lengths) from error
 
-    if not isinstance(error, InfeasibleBudgetError):
-        return error
+
+def _refusal_for_lengths(error: InfeasibleBudgetError, lengths: DatasetLengths) -> InfeasibleBudgetError:
     longest = ", ".join(str(n) for n in lengths.longest_lengths(min(4, len(lengths.lengths))))
     return InfeasibleBudgetError(
         f"{error} (planned for the longest samples of the dataset, {longest}, ... tokens: every "

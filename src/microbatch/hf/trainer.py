@@ -30,12 +30,12 @@ import torch
 from torch import nn
 
 from .. import distributed
-from ..errors import ConfigError, InfeasibleBudgetError
+from ..errors import ConfigError
 from ..memory import format_bytes, parse_bytes
 from ..planner import Plan, plan
 from ..trees.batches import batch_size_of, tensor_bytes
 from ..workload import Workload
-from .lengths import DatasetLengths, longest_note, refusal_for_lengths, trainer_lengths
+from .lengths import DatasetLengths, lengths_in_refusals, longest_notes, trainer_lengths
 from .weighting import ItemCounter, check_exact_supported, exact_loss_weighting
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,9 @@ def trainer_workload(trainer: Any, lengths: DatasetLengths | None = None) -> Wor
         return optimizer_class([p for p in module.parameters() if p.requires_grad], **settings)  # type: ignore[no-any-return]
 
     name = type(model).__name__
-    return Workload(model=model, make_batch=_examples(trainer, lengths), loss=loss, optimizer=optimizer, name=name)
+    return Workload(
+        model=model, make_batch=_examples(trainer, lengths), loss=loss, optimizer=optimizer, name=name
+    )
 
 
 def _turn_off_hf_checkpointing(trainer: Any) -> None:
@@ -155,10 +157,8 @@ def fit_trainer(
     ``microbatch.plan`` (blocks, policies, min_micro_batch_size, trial, ...); ``even`` is always True.
     ``exact=True`` (the default) also takes charge of the loss's weighting so the window's gradient is
     the full batch's on every architecture (``exact_loss_weighting``; ``count_items(batch)`` overrides
-    how a batch's items are counted). ``worst_case=True`` (the default) reads the dataset's sample
-    lengths and profiles and proves on the longest samples (hf/lengths.py), so the budget holds for
-    every window the sampler draws; False profiles on the first samples. Call it before ``trainer.train()``; nothing on the trainer
-    changes when it raises.
+    how a batch's items are counted). ``worst_case`` plans on the dataset's longest samples (hf/lengths.py:
+    the budget holds for every window drawn). Call it before ``trainer.train()``; nothing changes on a raise.
     """
     if plan_options.pop("even", True) is not True:
         raise ConfigError("fit_trainer plans with even=True: the Trainer cannot run a short last micro-batch")
@@ -186,18 +186,14 @@ def fit_trainer(
 
     # Under torchrun each rank would choose from its own timings, and two plans deadlock DDP: rank 0
     # plans, every rank applies its plan.
-    try:
+    with lengths_in_refusals(lengths):
         result = distributed.decided_on_rank_zero(decide, what="planning for the Trainer")
-    except InfeasibleBudgetError as error:
-        raise refusal_for_lengths(error, lengths) from error
     note = (
         f"planned within {format_bytes(budget_bytes - reserve_bytes)}: the Trainer holds a window's inputs "
         f"at once ({format_bytes(window_inputs_bytes)}) and keeps its own bookkeeping "
         f"({TRAINER_ALLOWANCE:.0%} of the budget set aside)"
     )
-    notes = (*result.notes, note)
-    if lengths is not None:
-        notes = (*notes, longest_note(lengths, result.micro_batch_size))
+    notes = (*result.notes, note, *longest_notes(lengths, result.micro_batch_size))
     _turn_off_hf_checkpointing(trainer)  # the model's own flag: mb.checkpoint turns it off
     if exact:
         notes = (*notes, exact_loss_weighting(trainer, count_items=count_items))
