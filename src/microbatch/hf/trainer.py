@@ -36,6 +36,7 @@ from ..planner import Plan, plan
 from ..trees.batches import batch_size_of, tensor_bytes
 from ..workload import Workload
 from .lengths import DatasetLengths, lengths_in_refusals, longest_notes, trainer_lengths
+from .token_batches import with_token_windows
 from .weighting import ItemCounter, check_exact_supported, exact_loss_weighting
 
 logger = logging.getLogger(__name__)
@@ -114,9 +115,9 @@ def trainer_workload(trainer: Any, lengths: DatasetLengths | None = None) -> Wor
         return optimizer_class([p for p in module.parameters() if p.requires_grad], **settings)  # type: ignore[no-any-return]
 
     name = type(model).__name__
-    return Workload(
-        model=model, make_batch=_examples(trainer, lengths), loss=loss, optimizer=optimizer, name=name
-    )
+    longest = lengths.lengths[0] if lengths is not None else None  # Plan.max_tokens: micro x longest
+    make_batch = _examples(trainer, lengths)
+    return Workload(model, make_batch, loss, optimizer=optimizer, name=name, max_length=longest)
 
 
 def _turn_off_hf_checkpointing(trainer: Any) -> None:
@@ -148,6 +149,7 @@ def fit_trainer(
     exact: bool = True,
     count_items: ItemCounter | None = None,
     worst_case: bool = True,
+    max_tokens: int | str | None = None,
     **plan_options: Any,
 ) -> Plan:
     """Plan ``batch`` samples per optimizer step in ``memory`` for ``trainer`` and apply the plan.
@@ -157,16 +159,15 @@ def fit_trainer(
     ``microbatch.plan`` (blocks, policies, min_micro_batch_size, trial, ...); ``even`` is always True.
     ``exact=True`` (the default) also takes charge of the loss's weighting so the window's gradient is
     the full batch's on every architecture (``exact_loss_weighting``; ``count_items(batch)`` overrides
-    how a batch's items are counted). ``worst_case`` plans on the dataset's longest samples (hf/lengths.py:
-    the budget holds for every window drawn). Call it before ``trainer.train()``; nothing changes on a raise.
+    how a batch's items are counted). ``worst_case``: plan on the longest samples (hf/lengths.py);
+    ``max_tokens`` ("auto", an int): windows cut by tokens (hf/token_batches.py). Call before train().
     """
     if plan_options.pop("even", True) is not True:
         raise ConfigError("fit_trainer plans with even=True: the Trainer cannot run a short last micro-batch")
     if exact:
         check_exact_supported(trainer)
     world_size = int(getattr(trainer.args, "world_size", 1))
-    lengths = trainer_lengths(trainer) if worst_case else None
-    workload = trainer_workload(trainer, lengths)
+    workload = trainer_workload(trainer, lengths := trainer_lengths(trainer) if worst_case else None)
     budget_bytes = parse_bytes(memory, device=workload.device, name="memory")
     # The Trainer fetches a window's micro-batches at once (to count its items): all but one of them
     # are live beyond what the planner's trial holds.
@@ -199,7 +200,7 @@ def fit_trainer(
         notes = (*notes, exact_loss_weighting(trainer, count_items=count_items))
     result = dataclasses.replace(result, budget_bytes=budget_bytes, notes=notes)
     _apply(trainer, result, world_size)
-    return result
+    return with_token_windows(trainer, result, max_tokens, batch=batch)
 
 
 def _apply(trainer: Any, result: Plan, world_size: int) -> None:
