@@ -84,11 +84,15 @@ def test_lengths_are_read_from_the_samples_and_sampled_when_long() -> None:
     assert sample_length({"label": torch.tensor(1)}) is None
 
 
-def test_long_tail_epoch_peaks_within_the_budget(tmp_path: Any, one_torch_thread: None) -> None:
+@pytest.mark.parametrize("max_tokens", [None, "auto"])
+def test_long_tail_epoch_peaks_within_the_budget(
+    tmp_path: Any, one_torch_thread: None, max_tokens: str | None
+) -> None:
     dataset = LongTail()
     budget = int(1.25 * _two_longest_step_peak(_trainer(tmp_path, dataset).model, dataset))
     trainer = _trainer(tmp_path, dataset)
-    result = hf.fit_trainer(trainer, batch=BATCH, memory=budget, max_profile_micro_batch_size=8)
+    options = {"max_profile_micro_batch_size": 8, "max_tokens": max_tokens}
+    result = hf.fit_trainer(trainer, batch=BATCH, memory=budget, **options)
     assert result.micro_batch_size * result.steps == BATCH
     two = sorted((len(r) for r in dataset.rows), reverse=True)[: result.micro_batch_size]
     shown = ", ".join(str(n) for n in two)
@@ -97,9 +101,18 @@ def test_long_tail_epoch_peaks_within_the_budget(tmp_path: Any, one_torch_thread
     trainer.model.register_forward_pre_hook(
         lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[1]), with_kwargs=True
     )
+    tokens: list[int] = []
+    trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: tokens.append(kwargs["input_ids"].numel()), with_kwargs=True
+    )
     with mb.MemoryTracker(model=trainer.model) as tracker:
         trainer.train()
     assert max(rows) >= 180  # the epoch met the long samples
+    if max_tokens is not None:  # every micro-batch within the plan's padded tokens, all samples seen
+        assert result.max_tokens == result.micro_batch_size * max(len(r) for r in dataset.rows)
+        sampler = trainer.microbatch_token_sampler
+        assert sum(len(w) for w in sampler.windows()) == len(dataset)
+        assert max(tokens) <= result.max_tokens
     assert tracker.peak_bytes <= budget, (tracker.peak_bytes, budget)
 
 
