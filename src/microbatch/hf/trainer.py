@@ -35,6 +35,8 @@ from ..memory import format_bytes, parse_bytes
 from ..planner import Plan, plan
 from ..trees.batches import batch_size_of, tensor_bytes
 from ..workload import Workload
+from .lengths import DatasetLengths, lengths_in_refusals, longest_notes, trainer_lengths
+from .token_batches import with_token_windows
 from .weighting import ItemCounter, check_exact_supported, exact_loss_weighting
 
 logger = logging.getLogger(__name__)
@@ -50,8 +52,9 @@ TRAINER_ALLOWANCE = 0.01
 ROWS_KEY = "_microbatch_rows"
 
 
-def _examples(trainer: Any) -> Callable[[int], Any]:
-    """``make_batch(b)``: the next b examples of the train dataset (cycling), through the collator."""
+def _examples(trainer: Any, lengths: DatasetLengths | None = None) -> Callable[[int], Any]:
+    """``make_batch(b)``: the next b examples of the train dataset (cycling), through the collator;
+    with ``lengths``, the b longest (hf/lengths.py: the worst micro-batch of b any window can draw)."""
     dataset = getattr(trainer, "train_dataset", None)
     if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
         raise ConfigError(
@@ -65,8 +68,11 @@ def _examples(trainer: Any) -> Callable[[int], Any]:
 
     def make_batch(size: int) -> Any:
         nonlocal position
-        rows = [dataset[(position + i) % len(dataset)] for i in range(size)]
-        position = (position + size) % len(dataset)
+        if lengths is not None:
+            rows = [dataset[i] for i in lengths.longest(size)]
+        else:
+            rows = [dataset[(position + i) % len(dataset)] for i in range(size)]
+            position = (position + size) % len(dataset)
         batch = collate(rows)
         if isinstance(batch, Mapping) and batch_size_of(batch) != size:
             # A padding-free collator (TRL's padding_free / packing) puts the rows into one sequence:
@@ -85,10 +91,11 @@ def _rows(batch: Mapping[str, Any]) -> int:
     return int(next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0))
 
 
-def trainer_workload(trainer: Any) -> Workload:
+def trainer_workload(trainer: Any, lengths: DatasetLengths | None = None) -> Workload:
     """A Workload from a Trainer: its model, dataset + collator, ``compute_loss`` and AdamW settings.
 
     Items are rows: the profile measures memory and time, for which the weighting does not matter.
+    With ``lengths`` (``hf.lengths.read_lengths``), ``make_batch(b)`` gives the b longest samples.
     """
     args = trainer.args
     model: nn.Module = trainer.model
@@ -108,7 +115,9 @@ def trainer_workload(trainer: Any) -> Workload:
         return optimizer_class([p for p in module.parameters() if p.requires_grad], **settings)  # type: ignore[no-any-return]
 
     name = type(model).__name__
-    return Workload(model=model, make_batch=_examples(trainer), loss=loss, optimizer=optimizer, name=name)
+    longest = lengths.lengths[0] if lengths is not None else None  # Plan.max_tokens: micro x longest
+    make_batch = _examples(trainer, lengths)
+    return Workload(model, make_batch, loss, optimizer=optimizer, name=name, max_length=longest)
 
 
 def _turn_off_hf_checkpointing(trainer: Any) -> None:
@@ -139,6 +148,8 @@ def fit_trainer(
     memory: str | int | float,
     exact: bool = True,
     count_items: ItemCounter | None = None,
+    worst_case: bool = True,
+    max_tokens: int | str | None = None,
     **plan_options: Any,
 ) -> Plan:
     """Plan ``batch`` samples per optimizer step in ``memory`` for ``trainer`` and apply the plan.
@@ -148,15 +159,15 @@ def fit_trainer(
     ``microbatch.plan`` (blocks, policies, min_micro_batch_size, trial, ...); ``even`` is always True.
     ``exact=True`` (the default) also takes charge of the loss's weighting so the window's gradient is
     the full batch's on every architecture (``exact_loss_weighting``; ``count_items(batch)`` overrides
-    how a batch's items are counted). Call it before ``trainer.train()``; nothing on the trainer
-    changes when it raises.
+    how a batch's items are counted). ``worst_case``: plan on the longest samples (hf/lengths.py);
+    ``max_tokens`` ("auto", an int): windows cut by tokens (hf/token_batches.py). Call before train().
     """
     if plan_options.pop("even", True) is not True:
         raise ConfigError("fit_trainer plans with even=True: the Trainer cannot run a short last micro-batch")
     if exact:
         check_exact_supported(trainer)
     world_size = int(getattr(trainer.args, "world_size", 1))
-    workload = trainer_workload(trainer)
+    workload = trainer_workload(trainer, lengths := trainer_lengths(trainer) if worst_case else None)
     budget_bytes = parse_bytes(memory, device=workload.device, name="memory")
     # The Trainer fetches a window's micro-batches at once (to count its items): all but one of them
     # are live beyond what the planner's trial holds.
@@ -176,19 +187,20 @@ def fit_trainer(
 
     # Under torchrun each rank would choose from its own timings, and two plans deadlock DDP: rank 0
     # plans, every rank applies its plan.
-    result = distributed.decided_on_rank_zero(decide, what="planning for the Trainer")
+    with lengths_in_refusals(lengths):
+        result = distributed.decided_on_rank_zero(decide, what="planning for the Trainer")
     note = (
         f"planned within {format_bytes(budget_bytes - reserve_bytes)}: the Trainer holds a window's inputs "
         f"at once ({format_bytes(window_inputs_bytes)}) and keeps its own bookkeeping "
         f"({TRAINER_ALLOWANCE:.0%} of the budget set aside)"
     )
-    notes = (*result.notes, note)
+    notes = (*result.notes, note, *longest_notes(lengths, result.micro_batch_size))
     _turn_off_hf_checkpointing(trainer)  # the model's own flag: mb.checkpoint turns it off
     if exact:
         notes = (*notes, exact_loss_weighting(trainer, count_items=count_items))
     result = dataclasses.replace(result, budget_bytes=budget_bytes, notes=notes)
     _apply(trainer, result, world_size)
-    return result
+    return with_token_windows(trainer, result, max_tokens, batch=batch)
 
 
 def _apply(trainer: Any, result: Plan, world_size: int) -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..memory.device_specs import DeviceSpec
 from ..profile import Profile
 from ..workload import Workload
 from .options import PlanOptions
+from .proof.trial_data import TrialData
 from .proof.trial_run import TrialResult
 from .result.applying import dtype_name
 from .result.plans import FrontierPoint, Plan, summarize_policies
@@ -48,6 +49,7 @@ class Setup:
     bytes_per_sample: int
     notes: list[str]
     gradient_sync: str = "window"  # FSDP2's sync mode, chosen with the per-rank profile (sharding.py)
+    trial_data: TrialData = field(default_factory=TrialData)  # what the profile and trials drew
 
     @property
     def model_budget_bytes(self) -> int:

@@ -36,20 +36,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import distributed
-from ..checkpointing.api import POLICIES, BlockSpec
+from ..checkpointing.api import BlockSpec
 from ..checkpointing.compiled import eager_workload
-from ..errors import ConfigError, InfeasibleBudgetError, MicrobatchError
+from ..errors import InfeasibleBudgetError, MicrobatchError
 from ..memory import format_bytes
 from ..memory.allocator import allocator_capacity
 from ..memory.device_specs import DeviceSpec
 from ..memory.oom import attempt
-from ..profile import NONE, Profile, ProgressFn, profile_workload
+from ..profile import Profile, ProgressFn, profile_workload
 from ..workload import Workload, load_workload
 from .options import DEFAULT_MAX_PROFILE_SIZE, PlanOptions
 from .outcome import PlanRequest, Setup, plan_of
 from .pipeline.choose import ranks_of
 from .pipeline.on_ranks import plan_pipeline
 from .proof.choices import faster_without_margin, last_resort
+from .proof.trial_data import TrialData, differs_from_profile, recording, reprofile_on_trial_data
 from .proof.trial_run import TrialResult, run_trial
 from .refusals import (
     candidate_key,
@@ -60,7 +61,7 @@ from .refusals import (
     validate_batch,
 )
 from .result.plans import Plan, summarize_policies
-from .search.rules import SplitRules, even_batch, profile_with_rules
+from .search.rules import SplitRules, even_batch, only_policies, profile_with_rules
 from .search.sizes import Candidate, SearchResult, search
 from .target.reserve import outside_the_model, with_reserve
 from .target.sharding import rank_profile, with_wide_gradients
@@ -199,23 +200,12 @@ def _prepare(request: PlanRequest) -> Setup:
     )
     shards = world_size if shard == "fsdp" else 1
     refuse_budget_below_weights(workload, budget_bytes - reserve.total_bytes, reserve, shards=shards)
+    data = TrialData()  # what the profile draws, to tell a trial's different data from a model error
+    workload = recording(workload, data)
     bytes_per_sample = check_make_batch(workload, per_rank_batch)
     model_budget_bytes = budget_bytes - reserve.total_bytes
-    with allocator_capacity(_allocator_share(options, spec, model_budget_bytes)):
-        profile = _profile(request, workload, rules, spec, per_rank_batch, model_budget_bytes)
-    profile = with_wide_gradients(profile, workload.model, options.accumulate_dtype)
-    profile, extras, gradient_sync = rank_profile(
-        profile,
-        workload.model,
-        shard=shard,
-        world_size=world_size,
-        spec=spec,
-        gradient_sync=options.gradient_sync,
-        per_rank_batch=per_rank_batch,
-        capacity_bytes=model_budget_bytes,
-        rules=rules,
-        bytes_per_sample=bytes_per_sample,
-    )
+    measured = _measure(request, workload, rules, spec, per_rank_batch, model_budget_bytes, bytes_per_sample)
+    profile, extras, gradient_sync = measured
     per_rank_batch, even_notes = even_batch(profile, per_rank_batch, model_budget_bytes, rules, world_size)
     notes = [*profile.notes, *reserve.notes, *compile_notes, *even_notes]
     return Setup(
@@ -230,7 +220,49 @@ def _prepare(request: PlanRequest) -> Setup:
         bytes_per_sample,
         notes,
         gradient_sync,
+        data,
     )
+
+
+def _measure(
+    request: PlanRequest,
+    workload: Workload,
+    rules: SplitRules,
+    spec: DeviceSpec | None,
+    per_rank_batch: int,
+    model_budget_bytes: int,
+    bytes_per_sample: int,
+) -> tuple[Profile, tuple[tuple[str, int], ...], str]:
+    """The per-rank profile (measured, or the request's), its sharding extras and gradient sync."""
+    options = request.options
+    with allocator_capacity(_allocator_share(options, spec, model_budget_bytes)):
+        profile = _profile(request, workload, rules, spec, per_rank_batch, model_budget_bytes)
+    profile = with_wide_gradients(profile, workload.model, options.accumulate_dtype)
+    return rank_profile(
+        profile,
+        workload.model,
+        shard=options.shard,
+        world_size=options.world_size,
+        spec=spec,
+        gradient_sync=options.gradient_sync,
+        per_rank_batch=per_rank_batch,
+        capacity_bytes=model_budget_bytes,
+        rules=rules,
+        bytes_per_sample=bytes_per_sample,
+    )
+
+
+def _reprofile(setup: Setup, request: PlanRequest) -> None:
+    """The profile measured again on the last trial's heavier rows (proof/trial_data.py)."""
+
+    def remeasure(pinned: Workload) -> None:
+        setup.bytes_per_sample = check_make_batch(pinned, setup.per_rank_batch)
+        setup.profile, setup.extras, setup.gradient_sync = _measure(
+            request, pinned, setup.rules, setup.spec, setup.per_rank_batch,
+            setup.model_budget_bytes, setup.bytes_per_sample,
+        )  # fmt: skip
+
+    setup.workload = reprofile_on_trial_data(setup.workload, setup.trial_data, remeasure, setup.notes)
 
 
 def _real_profiler(options: PlanOptions) -> Callable[..., Profile]:
@@ -287,37 +319,6 @@ def _profile(
             profiler=_real_profiler(options),
         )
     return profile
-
-
-def only_policies(profile: Profile, policies: Sequence[str]) -> Profile:
-    """``profile`` with each block's costs cut to ``policies`` (and none, always measured).
-
-    A policy that is no checkpoint policy, or that no block of the profile measured, is refused by
-    name: the search cannot price what was not measured.
-    """
-    wanted = {NONE, *policies}
-    unknown = sorted(wanted - {NONE, *POLICIES})
-    if unknown:
-        raise ConfigError(
-            f"policies={list(policies)}: {', '.join(unknown)} are not checkpoint policies; choose from "
-            f"none, {', '.join(POLICIES)}"
-        )
-    blocks = profile.blocks
-    measured = {policy for segment in blocks for policy in segment.policies}
-    missing = sorted(wanted - measured) if blocks else []
-    if missing:
-        raise ConfigError(
-            f"policies={list(policies)}: the profile did not measure {', '.join(missing)} (it measured "
-            f"{', '.join(sorted(measured))}); profile with them (profile_workload(..., policies=...)) or "
-            "leave them out"
-        )
-    segments = tuple(
-        dataclasses.replace(segment, costs={p: c for p, c in segment.costs.items() if p in wanted})
-        if segment.is_block
-        else segment
-        for segment in profile.segments
-    )
-    return dataclasses.replace(profile, segments=segments)
 
 
 @dataclass
@@ -412,8 +413,12 @@ def _prove(
     logger.info("planning %s: trial %d: %s", setup.workload.name, trials.count, what)
     if request.options.progress is not None:
         request.options.progress(f"trial {trials.count}: {what}", 0, 1)
+    setup.trial_data.start_trial()
     measured = trials.measured = _attempt(setup.workload, chosen, request.options)
-    if measured is None:
+    over = measured is not None and measured.peak_bytes > setup.model_budget_bytes
+    if over and request.options.profile is None and differs_from_profile(setup.trial_data):
+        _reprofile(setup, request)  # a data difference: like with like, no correction
+    elif measured is None:
         # The failed plan's real peak is unknown: bisect between the smallest plan and it.
         failed = chosen.peak_bytes - trials.correction_bytes
         floor = result.minimum.peak_bytes - trials.correction_bytes

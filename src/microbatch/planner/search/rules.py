@@ -11,20 +11,24 @@ planned instead, with a warning naming the change.
 
 ``prefer_large``: the largest micro-batch that fits wins, then the fastest. BatchNorm's statistics
 come from each micro-batch, so a larger one is closer to the full batch's.
+
+``only_policies``: a profile cut to the checkpoint policies the caller allows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from ...accumulate.batchnorm import batchnorm_layers
+from ...checkpointing.api import POLICIES
 from ...errors import ConfigError
-from ...profile import Profile
+from ...profile import NONE, Profile
 from ...workload import Workload
 from .sizes import Candidate, search
 
@@ -176,3 +180,34 @@ def profile_with_rules(
         if explained is None:
             raise
         raise explained from error
+
+
+def only_policies(profile: Profile, policies: Sequence[str]) -> Profile:
+    """``profile`` with each block's costs cut to ``policies`` (and none, always measured).
+
+    A policy that is no checkpoint policy, or that no block of the profile measured, is refused by
+    name: the search cannot price what was not measured.
+    """
+    wanted = {NONE, *policies}
+    unknown = sorted(wanted - {NONE, *POLICIES})
+    if unknown:
+        raise ConfigError(
+            f"policies={list(policies)}: {', '.join(unknown)} are not checkpoint policies; choose from "
+            f"none, {', '.join(POLICIES)}"
+        )
+    blocks = profile.blocks
+    measured = {policy for segment in blocks for policy in segment.policies}
+    missing = sorted(wanted - measured) if blocks else []
+    if missing:
+        raise ConfigError(
+            f"policies={list(policies)}: the profile did not measure {', '.join(missing)} (it measured "
+            f"{', '.join(sorted(measured))}); profile with them (profile_workload(..., policies=...)) or "
+            "leave them out"
+        )
+    segments = tuple(
+        dataclasses.replace(segment, costs={p: c for p, c in segment.costs.items() if p in wanted})
+        if segment.is_block
+        else segment
+        for segment in profile.segments
+    )
+    return dataclasses.replace(profile, segments=segments)
