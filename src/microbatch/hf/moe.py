@@ -33,7 +33,7 @@ __all__ = ["exact_router_balance", "moe_routing"]
 
 
 def moe_routing(model: nn.Module) -> tuple[int, int, float] | None:
-    """(experts, top-k, aux coefficient) of a transformers MoE model whose loss adds an aux term, else None."""
+    """(experts, top-k, aux coefficient) of a transformers MoE whose loss adds an aux term; else None."""
     config = getattr(_base_model(model), "config", None)
     if config is None or not getattr(config, "output_router_logits", False):
         return None
@@ -75,7 +75,7 @@ def exact_router_balance(trainer: Any) -> str | None:
     ]
     if dropout:
         raise ConfigError(
-            f"the exact load-balancing loss routes each window twice, which needs a deterministic router: set "
+            "the exact load-balancing loss routes each window twice, which needs a deterministic router: set "
             f"{', '.join(dropout)} to 0 in the model's config, or pass exact=False"
         )
     balance = WindowLoadBalance(num_experts=experts, top_k=top_k, coef=coef)
@@ -109,9 +109,9 @@ def exact_router_balance(trainer: Any) -> str | None:
     trainer.compute_loss = compute_loss
     trainer._get_num_items_in_batch = get_num_items_in_batch
     note = (
-        f"microbatch computes the router's load-balancing loss (coef {coef}) over each window's {experts}-expert "
-        "routing on every rank, from a routing pre-pass (a forward without gradients per micro-batch), not per "
-        "micro-batch"
+        f"microbatch computes the router's load-balancing loss (coef {coef}) over each window's "
+        f"{experts}-expert routing on every rank, from a routing pre-pass (a forward without gradients per "
+        "micro-batch), not per micro-batch"
     )
     logger.warning("fit_trainer: %s", note)
     return note
