@@ -1,5 +1,5 @@
 """A tiny float64 mixture-of-experts LM, uneven micro-batches of padded token rows, and the full-batch
-reference of token mean + coef * load-balancing aux (shared by tests/test_moe_balance.py and the 2-rank test)."""
+reference of token mean + coef * load-balancing aux (tests/test_moe_balance.py and the 2-rank test)."""
 
 from __future__ import annotations
 
