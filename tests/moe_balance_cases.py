@@ -3,8 +3,7 @@ reference of token mean + coef * load-balancing aux (tests/test_moe_balance.py a
 
 from __future__ import annotations
 
-import types
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -12,6 +11,11 @@ from torch import nn
 from microbatch.accumulate.balance import WindowLoadBalance, micro_batch_aux
 
 VOCAB, EXPERTS, TOP_K, COEF = 64, 8, 2, 0.01
+
+
+class MoEOutput(NamedTuple):  # a tuple, so DDP can find the tensors in it
+    logits: torch.Tensor
+    router_logits: tuple[torch.Tensor, ...]
 
 
 class TinyMoE(nn.Module):
@@ -52,7 +56,7 @@ class TinyMoE(nn.Module):
                 mixed = mixed.index_add(0, rows, out * weights[rows, slot, None])
             x = x + mixed
         logits = self.head(x).reshape(*input_ids.shape, VOCAB)
-        return types.SimpleNamespace(logits=logits, router_logits=tuple(router_logits))
+        return MoEOutput(logits, tuple(router_logits))
 
 
 def model() -> nn.Module:
