@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import moe_balance_cases as c
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import microbatch as mb
+import moe_balance_cases as c
 from microbatch import distributed
 from microbatch.accumulate.balance import WindowLoadBalance, aux_with_frequencies, micro_batch_aux
 

@@ -9,11 +9,11 @@ summation order). The field's approximations are measured against it (the number
 
 from __future__ import annotations
 
-import moe_balance_cases as c
 import moe_balance_workers as w
 import pytest
 import torch
 
+import moe_balance_cases as c
 from microbatch.distributed.launch import launch
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -37,7 +37,9 @@ def test_each_rank_steps_with_the_full_batch_gradient(runs: list[dict], referenc
         print(f"rank {rank}: window form off by {c.relative_error(got, reference):.2e}")
         assert set(got) == set(reference)
         for name, want in reference.items():
-            torch.testing.assert_close(got[name], want, rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                got[name], want, rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n} {m}"
+            )
 
 
 @pytest.mark.parametrize("form", ["micro-batch", "so far"])
