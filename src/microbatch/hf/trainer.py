@@ -35,6 +35,7 @@ from ..memory import format_bytes, parse_bytes
 from ..planner import Plan, plan
 from ..trees.batches import batch_size_of, tensor_bytes
 from ..workload import Workload
+from .moe import exact_router_balance
 from .weighting import ItemCounter, check_exact_supported, exact_loss_weighting
 
 logger = logging.getLogger(__name__)
@@ -186,6 +187,8 @@ def fit_trainer(
     _turn_off_hf_checkpointing(trainer)  # the model's own flag: mb.checkpoint turns it off
     if exact:
         notes = (*notes, exact_loss_weighting(trainer, count_items=count_items))
+        balance = exact_router_balance(trainer)  # a MoE's load-balancing loss over the window (hf/moe.py)
+        notes = notes if balance is None else (*notes, balance)
     result = dataclasses.replace(result, budget_bytes=budget_bytes, notes=notes)
     _apply(trainer, result, world_size)
     return result
