@@ -19,8 +19,8 @@ micro-batch at a time. ``WindowLoadBalance`` therefore takes a routing pre-pass:
 first backward, ``observe()`` each micro-batch's router logits from a forward without gradients (it
 must route exactly as the training forward will: the same model, no dropout), then ``close_window()``
 sums the counts over the data-parallel ranks (one all_reduce of E + 2 numbers). Its cost is a forward
-without autograd up to the last router per micro-batch; measured on a tiny Qwen3-MoE on the CPU at
-about a quarter of the window's forward and backward (benchmarks/moe_balance.py).
+without autograd up to the last router per micro-batch: 0.37 - 0.39 of the window's forward and
+backward on a tiny float32 Qwen3-MoE on one CPU thread (benchmarks/moe_balance.py; a shared machine).
 
 ``loss(token_loss, items=n, router_logits=...)`` returns the micro-batch loss to give
 ``Accumulator.backward(..., items=n)``: the Accumulator weighs it by n / N (N: the window's items over
