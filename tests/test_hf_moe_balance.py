@@ -19,6 +19,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+import microbatch as mb
 import test_hf_exact as exact
 from microbatch import hf
 
@@ -61,3 +62,27 @@ def test_models_without_aux_are_left_alone(tmp_path: Any) -> None:
     trainer = exact._trainer(tmp_path, model, exact.Examples(exact.causal_example))
     assert hf.moe_routing(model) is None
     assert hf.exact_router_balance(trainer) is None
+
+
+def _moe_workload(aux: bool) -> mb.Workload:
+    model = hf.tiny_moe("qwen3_moe", vocab_size=exact.VOCAB, output_router_logits=aux)
+    generator = torch.Generator().manual_seed(0)
+
+    def make_batch(size: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(3, exact.VOCAB, (size, 9), generator=generator)
+        return {"input_ids": ids, "labels": ids}
+
+    def loss(module: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        return module(**batch, use_cache=False).loss, batch["labels"][:, 1:].numel()
+
+    return mb.Workload(model=model, make_batch=make_batch, loss=loss)
+
+
+def test_verify_names_the_load_balancing_loss() -> None:
+    # rtol 1e-5: transformers' float32 internals (RMSNorm, router softmax) leave ~1e-7 in float64.
+    report = mb.verify(_moe_workload(aux=True), batch=16, steps=4, dtype=torch.float64, rtol=1e-5)
+    found = [d for d in report.diagnostics if d.kind == "router_balance"]
+    assert found, [d.kind for d in report.diagnostics]
+    assert "WindowLoadBalance" in found[0].message and "fit_trainer" in found[0].message
+    plain = mb.verify(_moe_workload(aux=False), batch=16, steps=4, dtype=torch.float64, rtol=1e-5)
+    assert not [d for d in plain.diagnostics if d.kind == "router_balance"]

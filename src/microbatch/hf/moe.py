@@ -79,8 +79,8 @@ def exact_router_balance(trainer: Any) -> str | None:
             f"{', '.join(dropout)} to 0 in the model's config, or pass exact=False"
         )
     balance = WindowLoadBalance(num_experts=experts, top_k=top_k, coef=coef)
-    base.router_aux_loss_coef = 0.0  # the model's own per-micro-batch aux stops counting
-    decoder = base.get_decoder()
+    base.router_aux_loss_coef = 0.0  # type: ignore[assignment]  # its own per-micro-batch aux stops counting
+    decoder: nn.Module = base.get_decoder()  # type: ignore[operator]
     world_size = int(getattr(trainer.args, "world_size", 1))
     count_window_items = trainer._get_num_items_in_batch
     weighted_compute_loss = trainer.compute_loss
