@@ -86,3 +86,18 @@ def test_verify_names_the_load_balancing_loss() -> None:
     assert "WindowLoadBalance" in found[0].message and "fit_trainer" in found[0].message
     plain = mb.verify(_moe_workload(aux=False), batch=16, steps=4, dtype=torch.float64, rtol=1e-5)
     assert not [d for d in plain.diagnostics if d.kind == "router_balance"]
+
+
+def test_fit_trainer_installs_the_window_aux(tmp_path: Any) -> None:
+    model = _moe()
+    reference = copy.deepcopy(model)
+    dataset = exact.Examples(exact.causal_example)
+    trainer = exact._trainer(tmp_path, model, dataset)
+    plan = hf.fit_trainer(trainer, batch=exact.SAMPLES, memory="2GiB", trial=False, policies=["none"])
+    assert any("routing pre-pass" in note for note in plan.notes)
+    got = exact._first_step(trainer)
+    want = exact.full_batch_gradient(reference, exact.collate([dataset[i] for i in range(exact.SAMPLES)]))
+    for name in want:
+        torch.testing.assert_close(
+            got[name], want[name], **exact.FLOAT32_LOSS_TOL, msg=lambda m, n=name: f"{n} {m}"
+        )
