@@ -5,7 +5,8 @@ losses (``micro``), iterating a loader by windows (``iteration``), the window's 
 discard path (``state``), the step arithmetic (``window``), feeding micro-batches to the device
 (``feed``), wide float32 sums and compute dtypes (``precision``), BatchNorm momentum
 (``batchnorm``), batch-size schedules (``schedules``), windows cut by tokens (``tokens``) and
-gradient caching for losses that couple a batch (``cached``).
+gradient caching for losses that couple a batch (``cached``) and a mixture-of-experts router's
+load-balancing loss over the window (``balance``).
 
 May import: ``errors``, ``trees``, ``memory``, ``distributed``, ``stepping``. Never the profile, planner or
 training. Invariant: a window's gradient is sum_i(items_i * grad loss_i) / sum_i(items_i) over every
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from . import schedules
 from .accumulator import Accumulator, StepsSchedule
+from .balance import WindowLoadBalance
 from .batchnorm import convert_batchnorm_to_groupnorm, corrected_momentum
 from .cached import cached_backward
 from .micro import Micro, WindowStats
@@ -28,6 +30,7 @@ __all__ = [
     "StepsSchedule",
     "TokenStats",
     "TokenWindows",
+    "WindowLoadBalance",
     "WindowStats",
     "cached_backward",
     "convert_batchnorm_to_groupnorm",

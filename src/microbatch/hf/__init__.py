@@ -23,8 +23,17 @@ from .causal_lm import (
     count_causal_lm_items,
     pad_causal_lm_batch,
 )
+from .moe import exact_router_balance, moe_routing
 from .sentence import CachedSentenceLoss, trim_padding
-from .tiny import StdlibTextBatches, tiny_bert, tiny_gpt2, tiny_gpt2_workload, tiny_llama, tiny_llama_workload
+from .tiny import (
+    StdlibTextBatches,
+    tiny_bert,
+    tiny_gpt2,
+    tiny_gpt2_workload,
+    tiny_llama,
+    tiny_llama_workload,
+    tiny_moe,
+)
 from .trainer import fit_trainer, trainer_workload
 from .weighting import count_items_rule, exact_loss_weighting
 
@@ -38,13 +47,16 @@ __all__ = [
     "count_causal_lm_items",
     "count_items_rule",
     "exact_loss_weighting",
+    "exact_router_balance",
     "fit_trainer",
+    "moe_routing",
     "pad_causal_lm_batch",
     "tiny_bert",
     "tiny_gpt2",
     "tiny_gpt2_workload",
     "tiny_llama",
     "tiny_llama_workload",
+    "tiny_moe",
     "trainer_workload",
     "trim_padding",
 ]

@@ -25,6 +25,7 @@ __all__ = [
     "tiny_gpt2_workload",
     "tiny_llama",
     "tiny_llama_workload",
+    "tiny_moe",
 ]
 
 
@@ -111,6 +112,47 @@ def tiny_llama(
         **config,
     }
     return _build("LlamaForCausalLM", transformers.LlamaConfig(**settings), seed=seed, dtype=dtype)
+
+
+MOE_FAMILIES = {  # family -> (model class, config class, the config's name for the expert count)
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", "num_experts"),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", "num_local_experts"),
+}
+
+
+def tiny_moe(
+    family: str = "qwen3_moe",
+    *,
+    vocab_size: int = 64,
+    num_layers: int = 2,
+    hidden_size: int = 32,
+    num_experts: int = 8,
+    top_k: int = 2,
+    expert_size: int = 16,
+    aux_loss_coef: float = 0.01,
+    seed: int = 0,
+    dtype: torch.dtype | None = None,
+    **config: Any,
+) -> nn.Module:
+    """A tiny mixture-of-experts causal LM (``family``: qwen3_moe or mixtral) with the router's aux loss on.
+
+    Experts run transformers' "eager" loop (its default grouped_mm fails in float64 on the CPU).
+    """
+    if family not in MOE_FAMILIES:
+        raise ConfigError(f"family must be one of {sorted(MOE_FAMILIES)}, got {family!r}")
+    transformers = _transformers()
+    model_class, config_class, experts_key = MOE_FAMILIES[family]
+    sizes = {"moe_intermediate_size": expert_size, "intermediate_size": 2 * expert_size}
+    if family == "mixtral":
+        sizes = {"intermediate_size": expert_size}
+    settings = {
+        "vocab_size": vocab_size, "hidden_size": hidden_size, "num_hidden_layers": num_layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": hidden_size // 4,
+        "max_position_embeddings": 128, experts_key: num_experts, "num_experts_per_tok": top_k,
+        "output_router_logits": True, "router_aux_loss_coef": aux_loss_coef, "pad_token_id": 0,
+        "experts_implementation": "eager", **sizes, **config,
+    }  # fmt: skip
+    return _build(model_class, getattr(transformers, config_class)(**settings), seed=seed, dtype=dtype)
 
 
 def tiny_bert(

@@ -36,6 +36,7 @@ from ..planner import Plan, plan
 from ..trees.batches import batch_size_of, tensor_bytes
 from ..workload import Workload
 from .lengths import DatasetLengths, lengths_in_refusals, longest_notes, trainer_lengths
+from .moe import exact_router_balance
 from .token_batches import with_token_windows
 from .weighting import ItemCounter, check_exact_supported, exact_loss_weighting
 
@@ -197,10 +198,17 @@ def fit_trainer(
     notes = (*result.notes, note, *longest_notes(lengths, result.micro_batch_size))
     _turn_off_hf_checkpointing(trainer)  # the model's own flag: mb.checkpoint turns it off
     if exact:
-        notes = (*notes, exact_loss_weighting(trainer, count_items=count_items))
+        notes = (*notes, *_exact_weighting(trainer, count_items))
     result = dataclasses.replace(result, budget_bytes=budget_bytes, notes=notes)
     _apply(trainer, result, world_size)
     return with_token_windows(trainer, result, max_tokens, batch=batch)
+
+
+def _exact_weighting(trainer: Any, count_items: Any) -> tuple[str, ...]:
+    """Install the exact window weighting, and a MoE's load-balancing loss over the window (hf/moe.py)."""
+    notes = (exact_loss_weighting(trainer, count_items=count_items),)
+    balance = exact_router_balance(trainer)
+    return notes if balance is None else (*notes, balance)
 
 
 def _apply(trainer: Any, result: Plan, world_size: int) -> None:

@@ -14,6 +14,7 @@
   with the BatchNorm layers frozen (eval mode); the difference that goes away is BatchNorm's.
 - coupled: the item-weighted mean of the micro-batch losses differs from the full batch's loss
   though the item counts agree: the samples interact (a contrastive loss; see cached_backward).
+- router balance: a mixture-of-experts loss with a load-balancing term (router_balance.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..trees.modules import modules_of_type
 from ..workload import LossFn
 from .passes import Compared, Difference, Pass, PerMicro, compare, run_accumulated, run_full_batch, run_loss
 from .report import Diagnostic
+from .router_balance import router_balance
 
 logger = logging.getLogger(__name__)
 
@@ -295,6 +297,10 @@ def diagnose(setup: Setup, compared: Compared, *, control: str, deterministic: b
         if residual <= max(setup.rtol, 1e-3 * diff.l2_rel):
             diagnostics.append(_items_mismatch(weights, per_micro.items, setup.micro, diff.max_rel))
             explained = True
+    balance = router_balance(setup.base, diff.max_rel, setup.rtol) if steps > 1 else None
+    if not explained and balance is not None:
+        diagnostics.append(balance)  # a MoE router's aux loss: the batch's expert frequencies
+        explained = True
     if not explained and deterministic and steps > 1:
         coupled = _coupled_loss(setup, full, accumulated, per_micro)
         if coupled is not None:

@@ -28,8 +28,8 @@ class ParameterDifference:
 
 @dataclass(frozen=True)
 class Diagnostic:
-    """One finding: ``kind`` is batchnorm, item-counts, items-mismatch, randomness, coupled, precision or
-    unexplained."""
+    """One finding: ``kind`` is batchnorm, item-counts, items-mismatch, randomness, coupled, router_balance,
+    precision or unexplained."""
 
     kind: str
     severity: str  # "info" or "warning"
