@@ -110,7 +110,7 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
     "planner": {
         "errors", "trees", "memory", "workload", "distributed", "accumulate", "checkpointing", "profile",
     },
-    "models": {"errors", "trees", "memory", "workload"},
+    "models": {"errors", "trees", "memory", "workload", "checkpointing"},
     "hf": {
         "errors", "trees", "memory", "workload", "distributed", "accumulate", "checkpointing", "profile",
         "planner", "models",
