@@ -263,6 +263,7 @@ PLANNER_ROOMS = [
     "refusals",     # what the planner refuses
     "proof",        # the trial window, prove(), which plan to try next
     "outcome",      # the request and the Plan made of a chosen candidate
+    "levers",       # exact levers: the optimizer step's implementation, the loss head in chunks
     "pipeline",     # plan(..., pipeline=S)
     "planning",     # plan()
     "cached_plan",  # plan_cached()

@@ -40,7 +40,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ..errors import ConfigError
 
-__all__ = ["HeadHandle", "chunk_head", "chunked_cross_entropy", "head_of"]
+__all__ = ["HeadHandle", "chunk_head", "chunked_cross_entropy", "head_module", "head_of"]
 
 IGNORE_INDEX = -100
 # transformers config fields that change the logits after the projection (Gemma 2's soft cap,
@@ -115,6 +115,19 @@ def head_of(model: nn.Module) -> str | None:
     has_head = callable(outputs) and isinstance(outputs(), nn.Module)
     if has_head and isinstance(body, nn.Module) and body is not base:
         return "causal-lm"
+    return None
+
+
+def head_module(model: nn.Module) -> nn.Module | None:
+    """The output projection ``chunk_head`` would chunk (its weight is vocabulary x width), or None."""
+    kind = head_of(model)
+    base = model if hasattr(model, "head_chunk_tokens") else _base_causal_lm(model)
+    if kind == "gpt":
+        head = getattr(base, "lm_head", None)
+        return head if isinstance(head, nn.Module) else None
+    if kind == "causal-lm":
+        output_embeddings: Any = base.get_output_embeddings
+        return output_embeddings()  # type: ignore[no-any-return]
     return None
 
 
