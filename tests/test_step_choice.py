@@ -99,3 +99,15 @@ def test_the_planner_chooses_the_head_in_chunks_and_apply_installs_it(tmp_path: 
     assert model.head_chunk_tokens == 16
     loaded.remove(model)
     assert model.head_chunk_tokens is None
+
+
+def test_a_refusal_names_the_exact_levers_before_those_that_change_training() -> None:
+    workload = _llama_like(vocab=32768, width=32)
+    with pytest.raises(mb.InfeasibleBudgetError) as caught:
+        mb.plan(workload, batch=2, memory="30MiB", trial=False, policies=["full"], head=[])
+    message = str(caught.value)
+    exact, changing = message.index("Exact levers"), message.index("Levers that change the training")
+    assert exact < message.index("FSDP over") < changing
+    assert message.index("8-bit optimizer state") > changing
+    assert message.count("[changes training]") == 2
+    assert caught.value.minimum_bytes > 30 * 2**20
