@@ -4,7 +4,8 @@ The head's logits (tokens x vocabulary, and their float32 copies and gradients) 
 block's activations; in chunks of c tokens at most c x vocabulary of them are alive, for one more
 forward of the projection in backward. Neither is free, so each is priced the way the blocks are:
 the workload is profiled (or simulated) with the head chunked, and the search over sizes and
-policies runs on each profile. The head whose best plan is fastest is chosen (a plan that fits
+policies runs on each profile (by default, ``head=None``, only when no plan fits without chunks;
+``head=[c, ...]`` prices them always). The head whose best plan is fastest is chosen (a plan that fits
 beats none; when none fits, the one whose smallest plan needs least), no chunks on a tie within
 the profile's timing noise. While the rest of planning runs (the step lever, the trial) the chosen
 head stays installed on the model; it is removed when plan() returns, and ``plan.apply`` /
@@ -79,6 +80,8 @@ def chosen_head(
     model = setup.workload.model
     best, best_rank = setup, _rank(setup)
     ranks = {"none": best_rank}
+    if options.head is None and not best_rank[0]:
+        sizes = ()  # auto: priced only when no plan fits without chunks (plans that fit stay as they were)
     for tokens in sizes:
         handle = chunk_head(model, tokens=tokens)
         try:
