@@ -62,8 +62,13 @@ def lever_lines(setup: Setup, request: PlanRequest, minimum_bytes: int) -> list[
         f"LoRA (frozen base weights): saves most of the gradients and optimizer state, up to "
         f"{format_bytes(profile.gradient_bytes + profile.optimizer_bytes)}",
     ]
+    taken = [f"optimizer step {setup.optimizer_step}"] if setup.optimizer_step else []
+    taken += [f"head chunks of {setup.head_chunk_tokens:,} tokens"] if setup.head_chunk_tokens else []
+    already = f" (already taken: {', '.join(taken)})" if taken else ""
     return [
-        f"{format_bytes(over)} over the budget. Exact levers (the same gradient): " + "; ".join(exact),
+        f"{format_bytes(over)} over the budget{already}. Exact levers (the same gradient): "
+        + "; ".join(exact)
+        + ".",
         "Levers that change the training: " + "; ".join(f"{line} [changes training]" for line in changing),
     ]
 
