@@ -114,7 +114,7 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
         "errors", "trees", "memory", "workload", "distributed", "accumulate", "checkpointing", "profile",
         "stepping",
     },
-    "models": {"errors", "trees", "memory", "workload"},
+    "models": {"errors", "trees", "memory", "workload", "checkpointing"},
     "hf": {
         "errors", "trees", "memory", "workload", "distributed", "accumulate", "checkpointing", "profile",
         "planner", "models", "stepping",
@@ -268,6 +268,7 @@ PLANNER_ROOMS = [
     "refusals",     # what the planner refuses
     "proof",        # the trial window, prove(), which plan to try next
     "outcome",      # the request and the Plan made of a chosen candidate
+    "levers",       # exact levers: the optimizer step's implementation, the loss head in chunks
     "pipeline",     # plan(..., pipeline=S)
     "planning",     # plan()
     "cached_plan",  # plan_cached()

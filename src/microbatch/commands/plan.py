@@ -149,7 +149,13 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _architecture(args: argparse.Namespace, policies: list[str] | None, progress: PlanningBar | None) -> Any:
+def _architecture(
+    args: argparse.Namespace,
+    policies: list[str] | None,
+    progress: PlanningBar | None,
+    *,
+    head_chunk_tokens: int | None = None,
+) -> Any:
     """The full model's workload and its simulated profile, for a named architecture or config.json."""
     if args.device is None:
         raise UsageError(
@@ -173,6 +179,7 @@ def _architecture(args: argparse.Namespace, policies: list[str] | None, progress
         policies=policies,
         progress=progress,
         shard=args.shard,
+        head_chunk_tokens=head_chunk_tokens,
     )
 
 
@@ -219,11 +226,15 @@ def run(args: argparse.Namespace) -> int:
     )
     policies = None if args.policies is None else [p.strip() for p in args.policies.split(",") if p.strip()]
     progress = PlanningBar(sys.stderr) if not args.no_progress else None
-    profile = None
+    profile = head_profile = None
     device = args.device
     if is_architecture(args.model):
         workload, profile = _architecture(args, policies, progress)
         device = device_spec(args.device)  # "cpu" too means the preset: the weights are fake
+
+        def head_profile(tokens: int) -> Any:  # the same simulation with the loss head in chunks
+            return _architecture(args, policies, progress, head_chunk_tokens=tokens)[1]
+
     else:
         workload = load_named_workload(args.model, architectures=True)
     try:
@@ -240,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
             even=args.even,
             prefer_large_micro_batches=args.prefer_large_micro_batches,
             profile=profile,
+            head_profile=head_profile,
             device=device,
             simulate=args.simulate,
             shard=args.shard,

@@ -20,13 +20,14 @@ import dataclasses
 import json
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..checkpointing.head import chunk_head
 from ..errors import ConfigError, WorkloadError
 from ..memory.device_specs import DeviceSpec
 from ..planner.result.checks import read_plan_file
@@ -335,6 +336,16 @@ def config_workload(spec: str, setup: ModelSetup, *, layers: int | None = None) 
     )
 
 
+@contextlib.contextmanager
+def _chunked(model: nn.Module, tokens: int | None) -> Iterator[None]:
+    handle = chunk_head(model, tokens=tokens) if tokens is not None else None
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
 def simulate_config_profile(
     spec: str,
     setup: ModelSetup,
@@ -344,27 +355,31 @@ def simulate_config_profile(
     policies: Any = None,
     progress: ProgressFn | None = None,
     shard: str = "none",
+    head_chunk_tokens: int | None = None,
 ) -> tuple[Workload, Profile]:
     """The full model's Workload and its simulated profile (three layers simulated, see the docstring).
 
     ``precision="mixed"`` with ``shard="fsdp"``: the blocks run as FSDP2 with
     ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` runs them (``fsdp_mixed``).
+    ``head_chunk_tokens``: the runs with the loss head in chunks of that many tokens (chunk_head).
     """
     fields = architecture_config(spec)
     layers = layer_count(fields)
     full = config_workload(spec, setup)
     fsdp_mixed = shard == "fsdp" and setup.autocast_dtype is not None
     if layers <= SIMULATED_LAYERS and not fsdp_mixed:
-        return full, simulate_profile(
-            full, device, max_micro_batch_size=max_micro_batch_size, policies=policies, progress=progress
-        )
+        with _chunked(full.model, head_chunk_tokens):
+            return full, simulate_profile(
+                full, device, max_micro_batch_size=max_micro_batch_size, policies=policies, progress=progress
+            )
     run_setup = (
         dataclasses.replace(setup, precision=GATHERED_PRECISIONS[setup.precision]) if fsdp_mixed else setup
     )
     small = config_workload(spec, run_setup, layers=SIMULATED_LAYERS if layers > SIMULATED_LAYERS else None)
-    profile = simulate_profile(
-        small, device, max_micro_batch_size=max_micro_batch_size, policies=policies, progress=progress
-    )
+    with _chunked(small.model, head_chunk_tokens):
+        profile = simulate_profile(
+            small, device, max_micro_batch_size=max_micro_batch_size, policies=policies, progress=progress
+        )
     with simulation(full.model, device) as (_, clock):
         optimizer = full.make_optimizer()
         static, step_peak_bytes, step_seconds = static_costs(

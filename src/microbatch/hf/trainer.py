@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .. import distributed
+from ..checkpointing.head import chunk_head
 from ..errors import ConfigError
 from ..memory import format_bytes, parse_bytes
 from ..planner import Plan, plan
@@ -214,6 +215,8 @@ def _exact_weighting(trainer: Any, count_items: Any) -> tuple[str, ...]:
 def _apply(trainer: Any, result: Plan, world_size: int) -> None:
     """The plan's checkpointing on the model, its micro-batch and steps on the Trainer's arguments."""
     result.checkpoint(trainer.model)
+    if result.head_chunk_tokens is not None:  # the plan's loss head in chunks (checkpointing/head.py)
+        chunk_head(trainer.model, tokens=result.head_chunk_tokens)
     trainer.args.per_device_train_batch_size = result.micro_batch_size
     trainer.args.gradient_accumulation_steps = result.steps
     trainer._train_batch_size = trainer.args.train_batch_size  # the Trainer caches it at __init__

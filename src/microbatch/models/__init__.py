@@ -1,6 +1,7 @@
 """Built-in models and data: a byte-level GPT, the stdlib corpus, and a BatchNorm CNN.
 
-May import: ``errors``, ``trees``, ``memory``, ``workload``. Nothing here knows of accumulation or planning.
+May import: ``errors``, ``trees``, ``memory``, ``workload``, and ``checkpointing`` (the chunked loss
+head). Nothing here knows of accumulation or planning.
 """
 
 from __future__ import annotations

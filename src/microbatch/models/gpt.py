@@ -5,21 +5,24 @@ Vocabulary: the 256 byte values, nothing else. Pre-LayerNorm blocks
 ``scaled_dot_product_attention(is_causal=True)``, a GELU MLP of width 4 * n_embd, learned position
 embeddings, optional tying of the output projection to the token embedding.
 
-``GPT.forward`` returns logits only; ``token_loss`` turns logits and shifted labels into the mean
+``GPT.forward(idx)`` returns logits; ``token_loss`` turns logits and shifted labels into the mean
 over non-ignored tokens and their count, which is what exact accumulation needs
-(the window loss is sum_i(count_i * mean_i) / sum_i(count_i)).
+(the window loss is sum_i(count_i * mean_i) / sum_i(count_i)). ``GPT.forward(idx, labels)`` returns
+that (mean, count) itself, and with ``head_chunk_tokens`` set (``microbatch.chunk_head``) computes it
+without ever holding all the logits (``checkpointing.head``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..checkpointing.head import chunked_cross_entropy
 from ..errors import ConfigError
 
 VOCAB_SIZE = 256
@@ -144,6 +147,8 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.token_embedding.weight
+        # Tokens per chunk of the loss head when forward is given labels; None: all logits at once.
+        self.head_chunk_tokens: int | None = None
         self.apply(self._init_weights)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer) so the residual stream's
         # variance stays O(1) after n_layer blocks each adding two branches.
@@ -165,7 +170,18 @@ class GPT(nn.Module):
             total -= self.position_embedding.weight.numel() + self.token_embedding.weight.numel()
         return total
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    @overload
+    def forward(self, idx: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def forward(
+        self, idx: torch.Tensor, labels: torch.Tensor, ignore_index: int = ...
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, idx: torch.Tensor, labels: torch.Tensor | None = None, ignore_index: int = -100
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits; or, given shifted ``labels``, ``token_loss``'s (mean loss, count) (chunked if asked)."""
         time = idx.shape[1]
         if time > self.config.block_size:
             raise ConfigError(
@@ -176,7 +192,15 @@ class GPT(nn.Module):
         x = self.dropout(self.token_embedding(idx) + self.position_embedding(positions))
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))  # type: ignore[no-any-return]
+        hidden = self.ln_f(x)
+        if labels is None:
+            return self.lm_head(hidden)  # type: ignore[no-any-return]
+        if self.head_chunk_tokens is None:
+            return token_loss(self.lm_head(hidden), labels, ignore_index)
+        losses_sum, num_tokens = chunked_cross_entropy(
+            hidden, self.lm_head, labels, chunk_tokens=self.head_chunk_tokens, ignore_index=ignore_index
+        )
+        return losses_sum / num_tokens.clamp(min=1), num_tokens
 
 
 def token_loss(

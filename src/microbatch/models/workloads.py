@@ -28,7 +28,9 @@ def build_seeded(factory: Any, seed: int) -> Any:
 
 def gpt_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean next-byte cross entropy over the counted tokens, and their count."""
-    return token_loss(model(batch["input_ids"]), batch["labels"], ignore_index=IGNORE_INDEX)
+    # The GPT computes token_loss itself when given the labels: in chunks when its head is chunked.
+    loss, count = model(batch["input_ids"], labels=batch["labels"], ignore_index=IGNORE_INDEX)
+    return loss, count
 
 
 def gpt_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +80,13 @@ class PlanOptions:
     pipeline_schedule: str | None = None
     # Gradients clipped to this total norm once per window (Accumulator's max_grad_norm).
     max_grad_norm: float | None = None
+    # The loss head in chunks of c tokens (planner/levers/head_choice.py): the sizes c to price
+    # beside no chunks. None: (1024,) when no plan fits without chunks, the model's head is one
+    # microbatch can chunk and its vocabulary is at least 16x its width (the logits dominate); (): never.
+    head: Sequence[int] | None = None
+    # With ``profile`` given: head_profile(c) is the same profile with the head in chunks of c tokens
+    # (the CLI's simulated architectures); without it a given profile keeps its head.
+    head_profile: Callable[[int], Profile] | None = None
 
     def __post_init__(self) -> None:
         _positive_int("world_size", self.world_size)
@@ -113,6 +120,13 @@ class PlanOptions:
                 f"got {self.accumulate_dtype!r}"
             )
         check_max_grad_norm(self.max_grad_norm, "max_grad_norm")
+        if self.head is not None:
+            if isinstance(self.head, (str, bytes)) or not isinstance(self.head, Sequence):
+                raise ConfigError(
+                    f"head must be a list of tokens per chunk (or None: auto), got {self.head!r}"
+                )
+            for tokens in self.head:
+                _positive_int("head (tokens per chunk)", tokens)
         names = (
             "trial",
             "gradient_as_bucket_view",

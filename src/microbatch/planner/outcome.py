@@ -50,6 +50,10 @@ class Setup:
     notes: list[str]
     gradient_sync: str = "window"  # FSDP2's sync mode, chosen with the per-rank profile (sharding.py)
     trial_data: TrialData = field(default_factory=TrialData)  # what the profile and trials drew
+    # The exact levers chosen (planner/levers/): the optimizer step's implementation when it is not
+    # the optimizer's own, and the loss head's tokens per chunk.
+    optimizer_step: str | None = None
+    head_chunk_tokens: int | None = None
 
     @property
     def model_budget_bytes(self) -> int:
@@ -104,6 +108,8 @@ def plan_of(
         scaler=request.options.scaler,
         max_grad_norm=request.options.max_grad_norm,
         gradient_sync=setup.gradient_sync,
+        optimizer_step=setup.optimizer_step,
+        head_chunk_tokens=setup.head_chunk_tokens,
     )
     spec, shard = setup.spec, request.options.shard
     return finish(

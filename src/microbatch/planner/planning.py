@@ -45,6 +45,8 @@ from ..memory.device_specs import DeviceSpec
 from ..memory.oom import attempt
 from ..profile import Profile, ProgressFn, profile_workload
 from ..workload import Workload, load_workload
+from .levers.exact import search_with_levers
+from .levers.head_choice import chosen_head
 from .options import DEFAULT_MAX_PROFILE_SIZE, PlanOptions
 from .outcome import PlanRequest, Setup, plan_of
 from .pipeline.choose import ranks_of
@@ -174,9 +176,10 @@ def _without_pipeline(request: PlanRequest, profile: Profile) -> Plan | str:
 
 def _plan(request: PlanRequest) -> Plan:
     began = time.perf_counter()
-    setup = _prepare(request)
-    chosen, result, trials = _search_and_prove(setup, request)
-    return plan_of(setup, request, chosen, result, measured=trials.measured, trials=trials.count, began=began)
+    with chosen_head(_prepare(request), request, _prepare) as setup:  # the exact levers: planner/levers/
+        setup, (chosen, result, trials) = search_with_levers(_search_and_prove, setup, request)
+        measured, count = trials.measured, trials.count
+        return plan_of(setup, request, chosen, result, measured=measured, trials=count, began=began)
 
 
 def _prepare(request: PlanRequest) -> Setup:

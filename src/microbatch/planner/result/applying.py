@@ -28,10 +28,14 @@ from torch import nn
 
 from ...accumulate.accumulator import Accumulator
 from ...checkpointing.api import CheckpointHandle
+from ...checkpointing.head import chunk_head
 from ...errors import ConfigError
 from ...trees.modules import unwrap_compiled
 
 GRADIENT_SYNCS = ("window", "micro-batch")
+# The optimizer step's implementations (planner/levers/step_choice.py): the same update, other temporaries.
+STEP_IMPLEMENTATIONS = ("foreach", "fused", "per-tensor")
+_FLAGS = {"foreach": (True, False), "fused": (False, True), "per-tensor": (False, False)}
 _APPLIED = "_microbatch_applied_plan"  # on the inner model: (checkpoint handle, weakref to the Accumulator)
 
 
@@ -41,22 +45,30 @@ def attach(
     optimizer: torch.optim.Optimizer,
     steps: int,
     options: dict[str, Any],
+    *,
+    head_chunk_tokens: int | None = None,
+    optimizer_step: str | None = None,
 ) -> Accumulator:
-    """Checkpoint the module inside ``model`` and build the Accumulator on ``model`` itself."""
+    """Checkpoint the module inside ``model`` and build the Accumulator on ``model`` itself; chunk its
+    loss head and set the optimizer's step implementation when the plan chose them."""
     inner = inner_model(model)
     if _APPLIED in inner.__dict__:
         raise ConfigError(
             "plan.apply(model, ...): this model already has a plan applied; call plan.remove(model) "
             "first, then apply the new plan"
         )
+    if optimizer_step is not None:
+        set_step_(optimizer, optimizer_step)  # the same update; not undone by remove()
     handle = checkpoint(inner)
+    head = chunk_head(inner, tokens=head_chunk_tokens) if head_chunk_tokens is not None else None
     try:
         accumulator = Accumulator(model, optimizer, steps=steps, **options)
     except BaseException:
-        if handle is not None:
-            handle.remove()
+        for undo in (handle, head):
+            if undo is not None:
+                undo.remove()
         raise
-    inner.__dict__[_APPLIED] = (handle, weakref.ref(accumulator))
+    inner.__dict__[_APPLIED] = (handle, weakref.ref(accumulator), head)
     return accumulator
 
 
@@ -64,9 +76,10 @@ def detach(model: nn.Module) -> None:
     """Undo ``attach``: the checkpointing removed, the Accumulator closed; nothing when none is attached."""
     applied = inner_model(model).__dict__.pop(_APPLIED, None)
     if applied is not None:
-        handle, accumulator = applied
-        if handle is not None:
-            handle.remove()
+        handle, accumulator, head = applied
+        for undo in (handle, head):
+            if undo is not None:
+                undo.remove()
         if (closing := accumulator()) is not None:
             closing.close()
 
@@ -124,3 +137,37 @@ def accumulator_options(
         )
     options["sync_every_micro_batch"] = every
     return options
+
+
+def supported_steps(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    """The implementations ``optimizer``'s class offers (none for an optimizer without ``foreach``)."""
+    defaults = optimizer.defaults
+    if "foreach" not in defaults:
+        return ()
+    return tuple(name for name in STEP_IMPLEMENTATIONS if name != "fused" or "fused" in defaults)
+
+
+def set_step_(optimizer: torch.optim.Optimizer, implementation: str) -> torch.optim.Optimizer:
+    """Make ``optimizer`` step with ``implementation`` (every param group); ConfigError if it has none."""
+    if implementation not in STEP_IMPLEMENTATIONS:
+        raise ConfigError(
+            f"optimizer_step={implementation!r} is no step implementation; choose from "
+            f"{', '.join(STEP_IMPLEMENTATIONS)}"
+        )
+    if implementation not in supported_steps(optimizer):
+        raise ConfigError(
+            f"{type(optimizer).__name__} has no {implementation} step (it offers "
+            f"{', '.join(supported_steps(optimizer)) or 'no choice'}); plan with its own step"
+        )
+    foreach, fused = _FLAGS[implementation]
+    for group in optimizer.param_groups:
+        group["foreach"] = foreach
+        if "fused" in optimizer.defaults:
+            group["fused"] = fused
+    if fused:
+        for state in optimizer.state.values():  # a fused step keeps its step counts as float32 on the device
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                held = next(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim())
+                state["step"] = step.to(held.device, torch.float32)
+    return optimizer

@@ -25,7 +25,7 @@ import torch
 
 from ...checkpointing.api import POLICIES
 from ...errors import ConfigError
-from .applying import GRADIENT_SYNCS
+from .applying import GRADIENT_SYNCS, STEP_IMPLEMENTATIONS
 
 MAX_PLAN_BYTES = 16 * 1024 * 1024  # a plan with a frontier of 50,000 points is about 13 MiB
 KNOWN_POLICIES = frozenset({"none", *POLICIES})
@@ -205,6 +205,12 @@ def _memory_options(data: Mapping[str, Any]) -> None:
         raise _refuse("scaler", data["scaler"], "not true or false")
     if "gradient_sync" in data and data["gradient_sync"] not in GRADIENT_SYNCS:
         raise _refuse("gradient_sync", data["gradient_sync"], f"not one of {', '.join(GRADIENT_SYNCS)}")
+    tokens = data.get("head_chunk_tokens")
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        raise _refuse("head_chunk_tokens", tokens, "not a positive number of tokens (or null: no chunks)")
+    step = data.get("optimizer_step")
+    if step is not None and step not in STEP_IMPLEMENTATIONS:
+        raise _refuse("optimizer_step", step, f"not one of {', '.join(STEP_IMPLEMENTATIONS)} (or null)")
 
 
 PIPELINE_SCHEDULES = frozenset({"gpipe", "1f1b", "interleaved-1f1b"})

@@ -120,6 +120,10 @@ class Plan:
     measured_stage_peak_bytes: tuple[int, ...] = ()  # the trial on the ranks: each stage's worst rank
     bubble_fraction: float = 0.0  # (S - 1) / (m + S - 1): the share of a pipeline step spent idle
     max_grad_norm: float | None = None  # gradients clipped to this total norm once per window
+    # Exact levers (planner/levers/): the loss head computed this many tokens at a time (its logits
+    # recomputed in backward), and the optimizer step's implementation when not the optimizer's own.
+    head_chunk_tokens: int | None = None
+    optimizer_step: str | None = None
 
     @property
     def policies(self) -> dict[str, str]:
@@ -162,7 +166,8 @@ class Plan:
         (accumulate_dtype, scaler, the FSDP sync mode, max_grad_norm) must be those the plan was made with
         (planner/result/applying.py) and default to them. Feed it micro-batches of ``micro_batch_sizes``
         (``plan.split(batch)`` cuts a rank's batch): it warns once when a full window holds another
-        number of samples than the plan's per-rank batch. ``plan.remove(model)`` undoes both;
+        number of samples than the plan's per-rank batch. The plan's loss head chunks and optimizer
+        step implementation are installed too. ``plan.remove(model)`` undoes both;
         applying a plan to a model that already has one applied raises ConfigError (remove it first).
         """
         if self.pipeline_stages > 1:
@@ -181,7 +186,15 @@ class Plan:
                 given=options,
             )
         options.setdefault("samples_per_window", sum(self.micro_batch_sizes))
-        return applying.attach(model, self.checkpoint, optimizer, self.steps, options)
+        return applying.attach(
+            model,
+            self.checkpoint,
+            optimizer,
+            self.steps,
+            options,
+            head_chunk_tokens=self.head_chunk_tokens,
+            optimizer_step=self.optimizer_step,
+        )
 
     def pipeline(
         self,
@@ -269,6 +282,8 @@ class Plan:
             "scaler": self.scaler,
             "gradient_sync": self.gradient_sync,
             "max_grad_norm": self.max_grad_norm,
+            "head_chunk_tokens": self.head_chunk_tokens,
+            "optimizer_step": self.optimizer_step,
             "estimates": dict(self.estimates),
             "pipeline_stages": self.pipeline_stages,
             "pipeline_schedule": self.pipeline_schedule,

@@ -1,0 +1,110 @@
+"""The loss head as a plan choice: no chunks, or chunks of c tokens (checkpointing/head.py).
+
+The head's logits (tokens x vocabulary, and their float32 copies and gradients) can outweigh every
+block's activations; in chunks of c tokens at most c x vocabulary of them are alive, for one more
+forward of the projection in backward. Neither is free, so each is priced the way the blocks are:
+the workload is profiled (or simulated) with the head chunked, and the search over sizes and
+policies runs on each profile (by default, ``head=None``, only when no plan fits without chunks;
+``head=[c, ...]`` prices them always). The head whose best plan is fastest is chosen (a plan that fits
+beats none; when none fits, the one whose smallest plan needs least), no chunks on a tie within
+the profile's timing noise. While the rest of planning runs (the step lever, the trial) the chosen
+head stays installed on the model; it is removed when plan() returns, and ``plan.apply`` /
+``fit_trainer`` install it from the plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator, Sequence
+
+from ...checkpointing.head import chunk_head, head_module
+from ...errors import ConfigError
+from ..outcome import PlanRequest, Setup
+from ..search.sizes import search
+
+logger = logging.getLogger("microbatch.planner.planning")
+
+AUTO_HEAD_CHUNKS = (1024,)
+# Chunk the head by default only where the logits dominate: a vocabulary at least this many times the
+# model's width (Llama 3: 128,256 / 4,096 = 31; GPT-2: 50,257 / 768 = 65; a byte-level GPT: 2).
+AUTO_VOCAB_PER_WIDTH = 16
+
+
+def head_sizes(setup: Setup, wanted: Sequence[int] | None) -> tuple[int, ...]:
+    """The tokens per chunk to price: ``wanted``, or AUTO_HEAD_CHUNKS where the logits dominate."""
+    head = head_module(setup.workload.model)
+    if wanted is not None:
+        if wanted and head is None:
+            raise ConfigError(
+                f"head={list(wanted)}: {type(setup.workload.model).__name__} has no loss head microbatch can "
+                "chunk (the built-in GPT, transformers causal LMs); leave head out"
+            )
+        return tuple(wanted)
+    weight = getattr(head, "weight", None)
+    if weight is None or weight.dim() != 2:
+        return ()
+    vocabulary, width = weight.shape
+    return AUTO_HEAD_CHUNKS if vocabulary >= AUTO_VOCAB_PER_WIDTH * width else ()
+
+
+def _rank(setup: Setup) -> tuple[bool, float]:
+    """(no plan fits, then the best plan's seconds per step or the smallest plan's peak)."""
+    result = search(
+        setup.profile,
+        per_rank_batch=setup.per_rank_batch,
+        capacity_bytes=setup.model_budget_bytes,
+        bytes_per_sample=setup.bytes_per_sample,
+        **setup.rules.search_options(),
+    )
+    if result.best is None:
+        return True, float(result.minimum.peak_bytes)
+    return False, result.best.seconds_per_step
+
+
+def _better(new: tuple[bool, float], old: tuple[bool, float], noise: float) -> bool:
+    if new[0] != old[0]:
+        return not new[0]
+    return new[1] < old[1] * (1 - 2 * noise) if not new[0] else new[1] < old[1]
+
+
+@contextlib.contextmanager
+def chosen_head(
+    setup: Setup, request: PlanRequest, prepare: Callable[[PlanRequest], Setup]
+) -> Iterator[Setup]:
+    """The setup with the chosen head, the head installed on the model for the ``with`` block."""
+    options = request.options
+    given = options.profile is not None
+    sizes = head_sizes(setup, options.head) if not given or options.head_profile is not None else ()
+    model = setup.workload.model
+    best, best_rank = setup, _rank(setup)
+    ranks = {"none": best_rank}
+    if options.head is None and not best_rank[0]:
+        sizes = ()  # auto: priced only when no plan fits without chunks (plans that fit stay as they were)
+    for tokens in sizes:
+        handle = chunk_head(model, tokens=tokens)
+        try:
+            chunked = options
+            if given and options.head_profile is not None:
+                chunked = dataclasses.replace(options, profile=options.head_profile(tokens))
+            candidate = prepare(dataclasses.replace(request, workload=setup.workload, options=chunked))
+        finally:
+            handle.remove()
+        rank = ranks[f"{tokens}"] = _rank(candidate)
+        if _better(rank, best_rank, setup.profile.time_noise):
+            best, best_rank = dataclasses.replace(candidate, head_chunk_tokens=tokens), rank
+    if best.head_chunk_tokens is None:
+        if sizes:
+            logger.info("planning %s: the loss head without chunks (%s)", model.__class__.__name__, ranks)
+        yield best
+        return
+    note = f"head: chunks of {best.head_chunk_tokens:,} tokens, each chunk's logits recomputed in backward"
+    if not best_rank[0] and ranks["none"][0]:
+        note += " (no plan fits without them)"
+    best.notes.append(note)
+    handle = chunk_head(model, tokens=best.head_chunk_tokens)
+    try:
+        yield best
+    finally:
+        handle.remove()
