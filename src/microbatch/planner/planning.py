@@ -3,25 +3,23 @@
 The trial runs one optimizer step of the chosen plan (its checkpointing, its micro-batches, the
 Accumulator, the workload's optimizer with its state already created) under MemoryTracker, and
 on CUDA reads the allocator's peak too. The window is cut to its first two micro-batches: from the
-second on, every micro-batch starts from the same live memory (parameters, all gradients,
-optimizer state), so the later ones of size b repeat the second one's peak, the short last one
-stays below it, and the step's own peak comes after any of them. Then:
+second on, every micro-batch starts from the same live memory (parameters, gradients, optimizer
+state), so later ones repeat the second one's peak and the step's peak comes after them. Then:
 
 - measured peak <= budget: done; the plan reports predicted and measured peak.
-- measured peak > budget: the model under-predicted by e = measured - predicted. Every prediction
-  gets e added (a correction) and the search runs again; the failed plan now predicts over budget.
-- out-of-memory error: memory is freed, and plans predicted above the midpoint between the
-  smallest plan and the failed one (before correction) are ruled out; the search runs again. The
-  failed plan never reached its peak, so the bisection is the most that is known.
+- measured peak > budget on the profile's kind of rows: the model under-predicted by e = measured -
+  predicted; every prediction gets e added and the search runs again. When the trial drew heavier
+  rows than the profile (proof/trial_data.py), that is data, not model error: re-profile on them.
+- out-of-memory error: plans predicted above the midpoint between the smallest plan and the failed
+  one (before correction) are ruled out (the failed plan never reached its peak); search again.
 
 Predictions carry a safety margin (search.SAFETY_MARGIN) for plans nobody has run. So the first
 trial goes to the fastest plan predicted near the budget without it (up to choices.TRIAL_REACH
 over), when that is faster than the safe choice: if its measured peak fits, the measurement is the
 proof (its predicted peak may then exceed the budget); if not, the safe plan is next.
 
-Each round rules out at least the plan that failed, so the loop ends; after ``max_trials`` rounds
-without a fit the planner raises InfeasibleBudgetError. Nothing it runs changes the model: its
-parameters, buffers, gradients, mode and the RNG are restored afterwards.
+Each round rules out at least the plan that failed, so the loop ends after ``max_trials`` rounds
+(InfeasibleBudgetError). Nothing it runs changes the model (parameters, buffers, mode, RNG kept).
 """
 
 from __future__ import annotations
