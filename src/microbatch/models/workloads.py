@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import ConfigError
+from ..trees.modules import unwrap_compiled
 from ..workload import Workload
 from .cnn import DigitBatches, SmallCNN, load_digits_tensors
 from .corpus import DEFAULT_MAX_BYTES, IGNORE_INDEX, PAD_TOKEN, ByteBatches, load_corpus
@@ -29,8 +30,12 @@ def build_seeded(factory: Any, seed: int) -> Any:
 def gpt_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean next-byte cross entropy over the counted tokens, and their count."""
     # The GPT computes token_loss itself when given the labels: in chunks when its head is chunked.
-    loss, count = model(batch["input_ids"], labels=batch["labels"], ignore_index=IGNORE_INDEX)
-    return loss, count
+    # Any other language model (gpt_loss is also the loss of user models that return logits) and a
+    # wrapper whose inner GPT cannot be seen: the logits, then token_loss.
+    if isinstance(unwrap_compiled(model), GPT):
+        loss, count = model(batch["input_ids"], labels=batch["labels"], ignore_index=IGNORE_INDEX)
+        return loss, count
+    return token_loss(model(batch["input_ids"]), batch["labels"], ignore_index=IGNORE_INDEX)
 
 
 def gpt_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

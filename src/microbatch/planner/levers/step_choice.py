@@ -23,7 +23,6 @@ from collections.abc import Callable
 
 import torch
 
-from ...errors import ConfigError
 from ...memory import format_bytes
 from ...memory.device_specs import DeviceSpec
 from ...profile import Profile, preserved_state
@@ -59,9 +58,10 @@ def step_workload(workload: Workload, implementation: str) -> Workload:
 
 def measured_step(
     workload: Workload, spec: DeviceSpec | None, implementation: str, *, max_grad_norm: float | None
-) -> tuple[int, float]:
+) -> tuple[int, float] | None:
     """(the step's peak bytes above the static ones, its seconds) with ``implementation``: simulated on
-    ``spec``'s path, or measured on the workload's device (the model restored exactly)."""
+    ``spec``'s path, or measured on the workload's device (the model restored exactly); None when the
+    step ran out of memory (that implementation cannot be the leaner one)."""
     model = workload.model
     if spec is not None:
         with _training_mode(model), simulation(model, spec) as (_, clock):
@@ -75,7 +75,7 @@ def measured_step(
         measured = measure_step(workload, optimizer, 1, workload.device, max_grad_norm=max_grad_norm)
         model.zero_grad(set_to_none=True)
     if measured is None:
-        raise ConfigError(f"one optimizer step with the {implementation} implementation ran out of memory")
+        return None
     return measured[1], measured[2]
 
 
@@ -101,9 +101,10 @@ def lower_step(setup: Setup, options: PlanOptions) -> Setup | None:
     for name in supported_steps(optimizer):
         if name == current:
             continue
-        peak_bytes, seconds = measured_step(
-            setup.workload, setup.spec, name, max_grad_norm=options.max_grad_norm
-        )
+        found = measured_step(setup.workload, setup.spec, name, max_grad_norm=options.max_grad_norm)
+        if found is None:
+            continue
+        peak_bytes, seconds = found
         if peak_bytes < setup.profile.step_peak_bytes and (best is None or peak_bytes < best[1]):
             best = (name, peak_bytes, seconds)
     if best is None:

@@ -50,7 +50,11 @@ class TrialData:
         if self.phase == "profile":
             self.profiled_bytes_per_sample = max(self.profiled_bytes_per_sample, per_sample)
         elif per_sample > self.trial_bytes_per_sample:
-            self.trial_bytes_per_sample, self.heaviest_trial_batch = per_sample, batch
+            self.trial_bytes_per_sample = per_sample
+            # Held only when heavier than every profiled batch (then needed to re-profile): a batch
+            # held here stays alive through the trial and its bytes would count in the trial's peak.
+            if per_sample > self.profiled_bytes_per_sample:
+                self.heaviest_trial_batch = batch
         return batch
 
     def start_trial(self) -> None:
