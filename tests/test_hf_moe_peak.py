@@ -9,7 +9,8 @@ The eager loop runs one expert at a time on the tokens routed to it (``nonzero``
 so the memory depends on the routing; the profile measures the model's own routing on the workload's
 batches. Balanced: the routers' weights drawn from N(0, 1), every expert hit. Collapsed: the weights
 zero, every token's probabilities tie and topk sends every token to the same two experts. The routers
-are frozen so the optimizer's steps keep the routing the profile saw.
+are frozen so the optimizer's steps keep the routing the profile saw. Every plan's notes say which
+routing its peak assumed (profile/routing.py, with the numbers when the routing changes).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import microbatch as mb
 from microbatch import hf
 from microbatch.hf.causal_lm import causal_lm_workload
 from microbatch.profile import NONE, profile_workload
+from microbatch.profile.routing import routing_note
 from test_plan_referee import referee_peaks  # every window's peak under a tracker of its own
 
 pytest.importorskip("transformers")
@@ -30,6 +32,7 @@ pytest.importorskip("transformers")
 SEQ, VOCAB, EXPERTS, TOP_K = 64, 64, 8, 2
 PROFILED, PLANNED = (1, 2, 4), (2, 4, 8)
 TOLERANCE = 0.05
+ROUTING_NOTE = f"mixture of experts ({EXPERTS} experts, top-{TOP_K}): the peak was measured on the routing"
 
 
 def _routers(model: torch.nn.Module) -> list[Any]:
@@ -66,6 +69,13 @@ def _expert_loads(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> lis
     return loads
 
 
+def test_only_a_mixture_of_experts_gets_the_routing_note() -> None:
+    assert routing_note(hf.tiny_llama()) is None
+    assert routing_note(torch.nn.Linear(2, 2)) is None
+    note = routing_note(hf.tiny_moe("mixtral", num_experts=4, top_k=1))
+    assert note is not None and note.startswith("mixture of experts (4 experts, top-1)")
+
+
 @pytest.mark.parametrize("routing", ["balanced", "collapsed"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_moe_predicted_peak_is_the_measured_one(family: str, routing: str, one_torch_thread: None) -> None:
@@ -96,6 +106,7 @@ def test_moe_predicted_peak_is_the_measured_one(family: str, routing: str, one_t
     for size in PLANNED:
         plan = mb.plan(workload, batch=size, memory="1GiB", profile=profile, policies=[NONE], trial=False)
         assert plan.micro_batch_sizes == (size,)
+        assert any(note.startswith(ROUTING_NOTE) for note in plan.notes), plan.notes
         predicted = plan.predicted_peak_bytes - dict(plan.peak_parts)["safety margin (1%)"]
         peaks = referee_peaks(workload, plan, {})  # from the second window on, the optimizer's state is held
         errors[size] = (predicted - peaks[-1]) / peaks[-1]
