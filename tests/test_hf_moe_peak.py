@@ -23,8 +23,9 @@ import torch
 import microbatch as mb
 from microbatch import hf
 from microbatch.hf.causal_lm import causal_lm_workload
-from microbatch.profile import NONE, profile_workload
+from microbatch.profile import NONE, Profile, profile_workload
 from microbatch.profile.routing import routing_note
+from microbatch.workload import Workload
 from test_plan_referee import referee_peaks  # every window's peak under a tracker of its own
 
 pytest.importorskip("transformers")
@@ -76,9 +77,8 @@ def test_only_a_mixture_of_experts_gets_the_routing_note() -> None:
     assert note is not None and note.startswith("mixture of experts (4 experts, top-1)")
 
 
-@pytest.mark.parametrize("routing", ["balanced", "collapsed"])
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_moe_predicted_peak_is_the_measured_one(family: str, routing: str, one_torch_thread: None) -> None:
+def _moe_workload(family: str, routing: str) -> Workload:
+    """A tiny ``family`` MoE under ``routing`` on 64-token rows of random ids (every token attended)."""
     torch.manual_seed(0)
     sizes = {"hidden_size": 32, "num_experts": EXPERTS, "top_k": TOP_K, "expert_size": 128}
     model = hf.tiny_moe(family, vocab_size=VOCAB, **sizes)
@@ -89,25 +89,45 @@ def test_moe_predicted_peak_is_the_measured_one(family: str, routing: str, one_t
         ids = torch.randint(1, VOCAB, (size, SEQ), generator=generator)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
-    loads = _expert_loads(model, make_batch(4))
+    return causal_lm_workload(
+        model,
+        make_batch,
+        optimizer=lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3),
+    )
+
+
+def _error(workload: Workload, profile: Profile, size: int) -> float:
+    """(predicted - measured) / measured for one micro-batch of ``size``, the tracker's last window."""
+    plan = mb.plan(workload, batch=size, memory="1GiB", profile=profile, policies=[NONE], trial=False)
+    assert plan.micro_batch_sizes == (size,)
+    assert any(note.startswith(ROUTING_NOTE) for note in plan.notes), plan.notes
+    predicted = plan.predicted_peak_bytes - dict(plan.peak_parts)["safety margin (1%)"]
+    peaks = referee_peaks(workload, plan, {})  # from the second window on, the optimizer's state is held
+    return (predicted - peaks[-1]) / peaks[-1]
+
+
+@pytest.mark.parametrize("routing", ["balanced", "collapsed"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_predicted_peak_is_the_measured_one(family: str, routing: str, one_torch_thread: None) -> None:
+    workload = _moe_workload(family, routing)
+    loads = _expert_loads(workload.model, workload.make_batch(4))
     assert len(loads) == 2 and all(sum(layer) == 4 * SEQ * TOP_K for layer in loads)
     if routing == "collapsed":  # every token on the same two experts
         assert all(sorted(layer)[-TOP_K:] == [4 * SEQ] * TOP_K for layer in loads), loads
     else:  # every expert hit, none over twice its even share
         assert all(0 < load <= 2 * 4 * SEQ * TOP_K / EXPERTS for layer in loads for load in layer), loads
-
-    workload = causal_lm_workload(
-        model,
-        make_batch,
-        optimizer=lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3),
-    )
     profile = profile_workload(workload, micro_batch_sizes=PROFILED, policies=[NONE], repeats=1)
-    errors = {}
-    for size in PLANNED:
-        plan = mb.plan(workload, batch=size, memory="1GiB", profile=profile, policies=[NONE], trial=False)
-        assert plan.micro_batch_sizes == (size,)
-        assert any(note.startswith(ROUTING_NOTE) for note in plan.notes), plan.notes
-        predicted = plan.predicted_peak_bytes - dict(plan.peak_parts)["safety margin (1%)"]
-        peaks = referee_peaks(workload, plan, {})  # from the second window on, the optimizer's state is held
-        errors[size] = (predicted - peaks[-1]) / peaks[-1]
+    errors = {size: _error(workload, profile, size) for size in PLANNED}
     assert all(abs(error) <= TOLERANCE for error in errors.values()), (family, routing, errors)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_another_routing_moves_the_peak_past_the_tolerance(family: str, one_torch_thread: None) -> None:
+    """Why the note: profiled under a balanced router, the plan is over a collapsed router's peak by more
+    than 5 % at micro-batch 2 (measured 10.6 % Qwen3-MoE, 11.1 % Mixtral): 8 experts hit, not 2, and
+    backward gives each hit expert's index into the stacked weights a gradient of the whole stack."""
+    workload = _moe_workload(family, "balanced")
+    profile = profile_workload(workload, micro_batch_sizes=PROFILED, policies=[NONE], repeats=1)
+    _set_routing_(workload.model, "collapsed")
+    error = _error(workload, profile, 2)
+    assert TOLERANCE < error < 0.2, (family, error)
