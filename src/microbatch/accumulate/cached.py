@@ -48,9 +48,10 @@ from torch import nn
 
 from .. import distributed
 from ..errors import ConfigError, UsageError
-from ..trees.batches import batch_size_of, micro_batch_sizes, split_batch, tensors_of
+from ..trees.batches import batch_size_of, tensors_of
 from .accumulator import Accumulator
 from .cached_arguments import check_arguments, should_gather
+from .cached_tokens import cut_for_cache, restore_order
 
 logger = logging.getLogger(__name__)
 
@@ -324,9 +325,11 @@ def cached_representations(
     encode: Encode,
     batch: Any,
     *,
-    micro_batch_size: int,
+    micro_batch_size: int | None = None,
     model: nn.Module | None = None,
     gather: bool | None = None,
+    max_tokens: int | None = None,
+    lengths: Sequence[int] | None = None,
 ) -> Any:
     """``encode(batch)``'s representations, computed ``micro_batch_size`` rows at a time without a graph.
 
@@ -334,7 +337,7 @@ def cached_representations(
     ``cached_loss`` alone: a loss over several calls' representations (one per tower or column, each
     encoded apart, so only one tower's micro-batch of activations is alive at a time) is exact too.
     """
-    check_arguments(encode, len, micro_batch_size)
+    check_arguments(encode, len, micro_batch_size, max_tokens=max_tokens, gather=gather)
     if not torch.is_grad_enabled():
         raise UsageError(
             "cached_backward / cached_loss was called under torch.no_grad(): call it with grad enabled"
@@ -345,7 +348,7 @@ def cached_representations(
             "cached_backward / cached_loss got an empty batch (0 samples): there is no loss to take; "
             "skip empty batches in the data"
         )
-    micro_batches = split_batch(batch, micro_batch_sizes(total, micro_batch_size))
+    micro_batches, order = cut_for_cache(batch, micro_batch_size, max_tokens=max_tokens, lengths=lengths)
     run = _Run(encode=encode, micro_batches=micro_batches, model=model, gather=should_gather(gather))
     if run.gather:
         _check_ranks(run)
@@ -353,6 +356,7 @@ def cached_representations(
         raise ConfigError("cached_backward does not support FSDP2 models; use DDP (model=the DDP module)")
     anchor = torch.empty(0, requires_grad=True)
     flat = _CachedEncode.apply(anchor, run)
+    flat = restore_order(flat, order)  # by tokens, rows were encoded longest first
     return _unflatten(_structure_of(run), flat)
 
 
@@ -361,9 +365,11 @@ def cached_loss(
     batch: Any,
     loss: LossOfRepresentations,
     *,
-    micro_batch_size: int,
+    micro_batch_size: int | None = None,
     model: nn.Module | None = None,
     gather: bool | None = None,
+    max_tokens: int | None = None,
+    lengths: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """The full batch's loss, with a graph whose backward runs gradient caching (module docstring).
 
@@ -371,10 +377,9 @@ def cached_loss(
     parameters' ``.grad`` with the full batch's gradient; the encode passes of step 1 have run when
     this returns, the re-encode passes run in that backward. See ``cached_backward`` for arguments.
     """
-    check_arguments(encode, loss, micro_batch_size)
-    representations = cached_representations(
-        encode, batch, micro_batch_size=micro_batch_size, model=model, gather=gather
-    )
+    check_arguments(encode, loss, micro_batch_size, max_tokens=max_tokens, gather=gather)
+    representations = cached_representations(encode, batch, micro_batch_size=micro_batch_size,
+        model=model, gather=gather, max_tokens=max_tokens, lengths=lengths)  # fmt: skip
     value = loss(representations)
     if not isinstance(value, torch.Tensor):
         raise ConfigError(f"loss(representations) must return a tensor, got {type(value).__name__}")
@@ -396,10 +401,12 @@ def cached_backward(
     batch: Any,
     loss: LossOfRepresentations,
     *,
-    micro_batch_size: int,
+    micro_batch_size: int | None = None,
     accumulator: Any = None,
     model: nn.Module | None = None,
     gather: bool | None = None,
+    max_tokens: int | None = None,
+    lengths: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Backpropagate ``loss(encode(batch))`` over the whole batch, encoding ``micro_batch_size`` at a time.
 
@@ -420,6 +427,7 @@ def cached_backward(
     (default: when torch.distributed runs several ranks); ``model`` (or the accumulator's) must then be
     the DDP module; gradients sync once per call (per window with an accumulator). Memory per rank: see
     the module docstring. Returns the loss, detached.
+    ``max_tokens`` / ``lengths``: cut by padded tokens, gradient unchanged (accumulate/cached_tokens.py).
     """
     if accumulator is not None:
         if not isinstance(accumulator, Accumulator):
@@ -429,7 +437,8 @@ def cached_backward(
         if model is not None and model is not accumulator.model:
             raise ConfigError("model= and accumulator= name different models; pass only accumulator=")
         model = accumulator.model
-    value = cached_loss(encode, batch, loss, micro_batch_size=micro_batch_size, model=model, gather=gather)
+    value = cached_loss(encode, batch, loss, micro_batch_size=micro_batch_size, model=model, gather=gather,
+                        max_tokens=max_tokens, lengths=lengths)  # fmt: skip
     if accumulator is None:
         value.backward()
         return value.detach()

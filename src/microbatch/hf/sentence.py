@@ -12,7 +12,10 @@ The gradient is the full batch's (dropout included).
 The wrapped loss must offer ``compute_loss_from_embeddings(embeddings, labels)`` (MNRL, GISTEmbed,
 MultipleNegativesSymmetricRankingLoss and the others built on it do). Like sentence-transformers' own
 cached losses, each micro-batch drops the padding columns none of its rows uses, so a micro-batch of
-short sentences is encoded at its own width, not the batch's.
+short sentences is encoded at its own width, not the batch's. ``max_tokens=`` instead of
+``micro_batch_size=`` cuts each column into mini-batches of at most that many padded tokens (rows x
+longest row, lengths from the attention mask), so an unlucky mini-batch of long documents cannot OOM
+(sentence-transformers #3859); the loss and gradient are unchanged (accumulate/cached_tokens.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 from ..accumulate.cached import cached_representations
+from ..accumulate.cached_tokens import check_split
 from ..errors import ConfigError
 
 __all__ = ["CachedSentenceLoss", "trim_padding"]
@@ -48,16 +52,28 @@ def trim_padding(features: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class CachedSentenceLoss(nn.Module):
-    """``loss`` over the whole batch, the encoder run ``micro_batch_size`` rows at a time (module doc)."""
+    """``loss`` over the whole batch, the encoder run ``micro_batch_size`` rows (or ``max_tokens`` padded
+    tokens) at a time (module doc)."""
 
-    def __init__(self, model: nn.Module, loss: nn.Module, *, micro_batch_size: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: nn.Module,
+        *,
+        micro_batch_size: int | None = None,
+        max_tokens: int | None = None,
+    ) -> None:
         super().__init__()
         if not callable(getattr(loss, "compute_loss_from_embeddings", None)):
             raise ConfigError(
                 f"CachedSentenceLoss needs a loss with compute_loss_from_embeddings(embeddings, labels); "
                 f"{type(loss).__name__} has none (wrap MultipleNegativesRankingLoss or a loss built on it)"
             )
-        if (
+        check_split(micro_batch_size, max_tokens, gather=False)
+        if max_tokens is not None:
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+                raise ConfigError(f"max_tokens must be a positive int (padded tokens), got {max_tokens!r}")
+        elif (
             isinstance(micro_batch_size, bool)
             or not isinstance(micro_batch_size, int)
             or micro_batch_size < 1
@@ -66,6 +82,7 @@ class CachedSentenceLoss(nn.Module):
         self.model = model
         self.loss = loss
         self.micro_batch_size = micro_batch_size
+        self.max_tokens = max_tokens
 
     def _encode(self, features: dict[str, Any]) -> torch.Tensor:
         return self.model(trim_padding(features))["sentence_embedding"]  # type: ignore[no-any-return]
@@ -80,7 +97,11 @@ class CachedSentenceLoss(nn.Module):
         # only one column's micro-batch of activations is alive in the re-encode, not all columns'.
         embeddings = [
             cached_representations(
-                self._encode, features, micro_batch_size=self.micro_batch_size, gather=False
+                self._encode,
+                features,
+                micro_batch_size=self.micro_batch_size,
+                gather=False,
+                max_tokens=self.max_tokens,
             )
             for features in columns
         ]
@@ -91,4 +112,6 @@ class CachedSentenceLoss(nn.Module):
 
     def get_config_dict(self) -> dict[str, Any]:  # read by sentence-transformers' model card
         inner: dict[str, Any] = getattr(self.loss, "get_config_dict", dict)()
-        return {"micro_batch_size": self.micro_batch_size, "loss": type(self.loss).__name__, **inner}
+        split = {"micro_batch_size": self.micro_batch_size, "max_tokens": self.max_tokens}
+        split = {key: value for key, value in split.items() if value is not None}
+        return {**split, "loss": type(self.loss).__name__, **inner}

@@ -12,10 +12,17 @@ fitted to MemoryTracker measurements at small sizes; the largest m whose predict
 chosen and proved by one real cached_backward of the whole batch under the tracker (halving m while
 it does not fit). The price is one more forward pass per sample: the predicted step time is
 ceil(B / m) x (forward(m) + forward-and-backward(m)).
+
+Token budget (``tokens=True``, rows of varying length): the batch's rows are read by their attention
+mask and put longest first, so the probes A(m) are measured on the longest rows (m rows padded to the
+longest length L); the plan carries ``max_tokens = m x L`` and its trial runs
+``cached_backward(max_tokens=m x L)``. A mini-batch of r rows padded to T <= L with r T <= m L holds no
+more encode activations than the probe's, per token or quadratic in T (r T^2 <= m L T <= m L^2).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -27,9 +34,10 @@ import torch
 
 from .. import distributed
 from ..accumulate.cached import _flatten, cached_backward
+from ..accumulate.cached_tokens import row_lengths
 from ..errors import ConfigError, InfeasibleBudgetError
 from ..memory import MemoryTracker, format_bytes, parse_bytes
-from ..trees.batches import batch_size_of, slice_batch
+from ..trees.batches import batch_size_of, map_tensors, slice_batch
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +60,21 @@ class CachedPlan:
     full_batch_seconds_per_step: float  # predicted, whole batch at once
     extra_forward_fraction: float  # the cost of caching: time of the extra forward passes / plain step
     caching: bool = True  # False: the whole batch fits at once, the plain step is the plan
+    max_tokens: int | None = None  # tokens=True: micro_batch_size x longest_tokens, for cached_backward
+    longest_tokens: int | None = None  # tokens=True: the longest row of the planned batch
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def __str__(self) -> str:
+        if self.max_tokens is None:
+            return self._rows_text()
+        return (
+            f"{self._rows_text()}\n  token budget: max_tokens={self.max_tokens} padded tokens per encode "
+            f"pass ({self.micro_batch_size} rows x the longest, {self.longest_tokens} tokens)"
+        )
+
+    def _rows_text(self) -> str:
         measured = f", measured {format_bytes(self.measured_peak_bytes)}" if self.measured_peak_bytes else ""
         if not self.caching:
             return "\n".join(
@@ -207,6 +225,7 @@ def plan_cached(
     memory: str | int | float,
     model: torch.nn.Module,
     trial: bool = True,
+    tokens: bool = False,
 ) -> CachedPlan:
     """The largest encode micro-batch size for ``cached_backward(encode, make_batch(batch), loss)``
     within ``memory`` (peak live tensor bytes, as ``mb.plan``'s budget); see the module docstring.
@@ -214,7 +233,9 @@ def plan_cached(
     ``model``: the module holding the parameters of encode and loss (counted with their gradients;
     optimizer state is not part of this peak). Measures at small sizes, then (``trial``) runs one real
     cached_backward of the whole batch. Gradients, the RNG state and the model are left as found.
-    Raises InfeasibleBudgetError when even micro-batches of one sample do not fit.
+    Raises InfeasibleBudgetError when even micro-batches of one sample do not fit. ``tokens``: also a
+    token budget ``max_tokens`` for ``cached_backward(max_tokens=)`` (module docstring; rows' lengths
+    from the batch's attention mask).
     """
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ConfigError(f"batch must be an integer >= 1, got {batch!r}")
@@ -232,10 +253,11 @@ def plan_cached(
                 raise ConfigError(
                     f"make_batch({batch}) returned {batch_size_of(full)} samples; it must return {batch}"
                 )
+            full, longest = _longest_first(full) if tokens else (full, None)
             measured = _measure(encode, loss, full, model)
             plain = _plain_step(encode, loss, full, model, measured, budget, trial)
             if plain is not None:
-                return plain
+                return _with_tokens(plain, longest)
             fitting = _fitting_sizes(measured, batch, budget)
             if not fitting:
                 smallest = _predict(measured, batch, 1, budget)
@@ -249,7 +271,7 @@ def plan_cached(
                         k: smallest[k] for k in ("weights_bytes", "loss_phase_bytes", "encode_phase_bytes")
                     },
                 )
-            return _prove(encode, loss, full, model, measured, fitting, budget, trial)
+            return _prove(encode, loss, full, model, measured, fitting, budget, trial, longest)
     finally:
         for parameter, grad in saved_grads.items():
             parameter.grad = grad
@@ -304,17 +326,19 @@ def _prove(
     fitting: list[int],
     budget: int,
     trial: bool,
+    longest: int | None = None,
 ) -> CachedPlan:
     """One real cached_backward at the chosen size; the next smaller size while it does not fit."""
     batch = batch_size_of(full)
     for micro in fitting:
         predicted = _predict(measured, batch, micro, budget)
         if not trial:
-            return CachedPlan(measured_peak_bytes=None, **predicted)
+            return _with_tokens(CachedPlan(measured_peak_bytes=None, **predicted), longest)
+        rows, tokens = (micro, None) if longest is None else (None, micro * longest)
         with MemoryTracker(_device(model), model=model) as tracker:
-            cached_backward(encode, full, loss, micro_batch_size=micro)
+            cached_backward(encode, full, loss, micro_batch_size=rows, max_tokens=tokens)
         if tracker.peak_bytes <= budget:
-            return CachedPlan(measured_peak_bytes=tracker.peak_bytes, **predicted)
+            return _with_tokens(CachedPlan(measured_peak_bytes=tracker.peak_bytes, **predicted), longest)
         logger.info(
             "cached plan: micro-batch %d measured %s over the budget %s; trying a smaller one",
             micro,
@@ -326,3 +350,17 @@ def _prove(
         f"(the smallest tried, {fitting[-1]}, needed {format_bytes(tracker.peak_bytes)})",
         minimum_bytes=tracker.peak_bytes,
     )
+
+
+def _longest_first(full: Any) -> tuple[Any, int]:
+    """The batch's rows longest first (the probes take its first rows) and the longest row's tokens."""
+    lengths = row_lengths(full)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    index = torch.tensor(order, dtype=torch.long)
+    return map_tensors(lambda t: t.index_select(0, index.to(t.device)), full), max(lengths)
+
+
+def _with_tokens(plan: CachedPlan, longest: int | None) -> CachedPlan:
+    if longest is None:
+        return plan
+    return dataclasses.replace(plan, max_tokens=plan.micro_batch_size * longest, longest_tokens=longest)

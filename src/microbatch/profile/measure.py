@@ -26,6 +26,7 @@ from . import stash
 from .assemble import Measurements, assemble, gradient_bytes_by_segment
 from .clocks import WALL, clock_for
 from .costs import NONE, Profile
+from .routing import routing_note
 from .runs import measure_step, micro_batch_run, preserved_state
 from .timeline import Run
 
@@ -90,6 +91,9 @@ def profile_workload(
         session = _Session(workload, found, optimizer, chosen, sizes, progress)
         session.clock = read_clock
         session.notes.extend(notes)
+        routing = routing_note(model)
+        if routing is not None:
+            session.notes.append(routing)
         session.total_runs = _run_count(len(sizes), len(chosen), rounds=warmup + repeats)
         session.measure_memory()
         session.measure_time(warmup=warmup, repeats=repeats)

@@ -1,0 +1,80 @@
+"""CachedSentenceLoss(max_tokens=): the whole batch's MNRL, the encoder run by padded tokens.
+
+The tiny float64 BERT SentenceTransformer of tests/test_hf_sentence.py (dropout 0), a batch of 24
+long-tailed (anchor, positive) pairs (most 2-8 words, a few 40-50), max_tokens = 2 x the longest
+row. Reference: MultipleNegativesRankingLoss on the whole batch at once. rtol 1e-9, atol 1e-12.
+Every encode pass (a forward pre-hook on the model) holds rows x columns <= max_tokens after the
+padding is trimmed, and the rows were reordered (longest first) and put back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from microbatch import hf
+from microbatch.accumulate.cached_tokens import cut_batch_by_tokens
+from microbatch.errors import ConfigError
+
+st = pytest.importorskip("sentence_transformers")
+pytest.importorskip("transformers")
+
+from test_hf_sentence import TOL, WORDS, _grads, tiny_sentence_transformer  # noqa: E402
+
+
+def _long_tailed(count: int, seed: int) -> list[str]:
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        long = float(torch.rand((), generator=generator)) < 0.2
+        low, high = (40, 51) if long else (2, 9)
+        length = int(torch.randint(low, high, (), generator=generator))
+        out.append(" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (length,), generator=generator)))
+    return out
+
+
+def test_max_tokens_is_the_full_batch_mnrl(tmp_path: Path) -> None:
+    model = tiny_sentence_transformer(tmp_path)
+    model.train()
+    texts = [_long_tailed(24, seed) for seed in (5, 6)]
+    features = [model.tokenize(column) for column in texts]  # the forward adds to these dicts: fresh below
+    longest = max(int(f["attention_mask"].sum(dim=1).max()) for f in features)
+    labels = torch.zeros(24)
+    mnrl = st.sentence_transformer.losses.MultipleNegativesRankingLoss(model)
+    want_loss = mnrl(features, labels)
+    want_loss.backward()
+    want = _grads(model)
+    model.zero_grad()
+    passes: list[tuple[int, int]] = []
+
+    def record(module: Any, args: tuple[Any, ...]) -> None:
+        passes.append(tuple(args[0]["input_ids"].shape))
+
+    handle = model.register_forward_pre_hook(record)
+    cached = hf.CachedSentenceLoss(model, mnrl, max_tokens=2 * longest)
+    value = cached([model.tokenize(column) for column in texts], labels)
+    value.backward()
+    handle.remove()
+    assert len(passes) > 2 * len(features)  # more than one mini-batch per column
+    assert all(rows * columns <= 2 * longest for rows, columns in passes)
+    assert cut_batch_by_tokens(features[0], 2 * longest).order != list(range(24))  # reordered, put back
+    torch.testing.assert_close(value, want_loss, **TOL)
+    got = _grads(model)
+    assert set(got) == set(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], **TOL, msg=lambda m, key=key: f"{key}: {m}")
+    assert cached.get_config_dict()["max_tokens"] == 2 * longest
+
+
+def test_exactly_one_of_rows_and_tokens(tmp_path: Path) -> None:
+    model = tiny_sentence_transformer(tmp_path)
+    mnrl = st.sentence_transformer.losses.MultipleNegativesRankingLoss(model)
+    with pytest.raises(ConfigError, match="exactly one of micro_batch_size"):
+        hf.CachedSentenceLoss(model, mnrl)
+    with pytest.raises(ConfigError, match="exactly one of micro_batch_size"):
+        hf.CachedSentenceLoss(model, mnrl, micro_batch_size=4, max_tokens=64)
+    with pytest.raises(ConfigError, match="max_tokens must be a positive int"):
+        hf.CachedSentenceLoss(model, mnrl, max_tokens=0)
