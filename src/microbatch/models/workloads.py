@@ -29,10 +29,12 @@ def build_seeded(factory: Any, seed: int) -> Any:
 
 def gpt_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean next-byte cross entropy over the counted tokens, and their count."""
-    # The GPT computes token_loss itself when given the labels: in chunks when its head is chunked.
-    # Any other language model (gpt_loss is also the loss of user models that return logits) and a
-    # wrapper whose inner GPT cannot be seen: the logits, then token_loss.
-    if isinstance(unwrap_compiled(model), GPT):
+    # A GPT whose head is chunked computes the loss itself, given the labels, never holding all the
+    # logits. Otherwise (gpt_loss is also the loss of user models that return logits, and of a
+    # wrapper whose inner GPT cannot be seen) the logits, then token_loss, after the model returns:
+    # where the profile and the pipeline's last stage (gpt_output_loss) put the loss.
+    inner = unwrap_compiled(model)
+    if isinstance(inner, GPT) and inner.head_chunk_tokens is not None:
         loss, count = model(batch["input_ids"], labels=batch["labels"], ignore_index=IGNORE_INDEX)
         return loss, count
     return token_loss(model(batch["input_ids"]), batch["labels"], ignore_index=IGNORE_INDEX)
