@@ -80,14 +80,18 @@ def chunked_cross_entropy(
             "need one (shifted) label per hidden state"
         )
     flat_targets = targets.reshape(-1)
-    total: torch.Tensor | None = None
+    if flat_targets.numel() == 0:
+        raise ConfigError(f"targets {tuple(targets.shape)} hold no tokens: give the head at least one")
     # split (not slicing): backward concatenates the chunks' gradients once instead of one full-size
     # zero-padded gradient per chunk.
     parts = hidden.reshape(-1, hidden.shape[-1]).split(chunk_tokens)
-    for part, part_targets in zip(parts, flat_targets.split(chunk_tokens), strict=True):
-        loss = torch_checkpoint(_chunk_loss, head, part, part_targets, ignore_index, use_reentrant=False)
-        total = loss if total is None else total + loss
-    assert total is not None  # targets has at least one element (hidden.shape[:-1] == targets.shape)
+    losses = [
+        torch_checkpoint(_chunk_loss, head, part, part_targets, ignore_index, use_reentrant=False)
+        for part, part_targets in zip(parts, flat_targets.split(chunk_tokens), strict=True)
+    ]
+    total = losses[0]
+    for loss in losses[1:]:  # in chunk order, as one running sum
+        total = total + loss
     # The count stays on the device: the Accumulator reads counts once per window.
     return total, (flat_targets != ignore_index).sum()
 
@@ -202,7 +206,10 @@ def _chunked_causal_lm_forward(model: nn.Module, *args: Any, **kwargs: Any) -> A
     outputs = body(**inputs)
     hidden = outputs[0]
     if shift_labels is None:
-        assert isinstance(labels, torch.Tensor)
+        if not isinstance(labels, torch.Tensor):
+            raise ConfigError(
+                f"labels must be a tensor of token ids for the chunked head, got {type(labels).__name__}"
+            )
         shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # ForCausalLMLoss's shift
     output_embeddings: Any = model.get_output_embeddings  # transformers' method
     head = output_embeddings()

@@ -95,7 +95,7 @@ def _check_room(directory: str, needed_bytes: int) -> None:
 
 
 @contextlib.contextmanager
-def _polite_signals_exit() -> Iterator[None]:
+def polite_signals_exit() -> Iterator[None]:
     """SIGTERM / SIGHUP / SIGUSR1/2 / SIGXCPU raise SystemExit(128 + signal) inside the block (when
     they had their default action), so ``finally`` clauses run and the stash file is removed;
     restored afterwards."""
@@ -212,7 +212,7 @@ def preserved(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = Non
     entries = _optimizer_entries(optimizer)
     every = [*model.parameters(), *model.buffers()]
     devices = sorted({d.index or 0 for d in {t.device for t in every} if d.type == "cuda"})
-    with _polite_signals_exit():
+    with polite_signals_exit():
         saved = _Saved(tensors)
         try:
             with torch.random.fork_rng(devices=devices):

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .. import distributed
+from ..profile.stash import polite_signals_exit
 
 logger = logging.getLogger(__name__)
 
@@ -47,24 +48,11 @@ def exit_status(signal_name: str | None) -> int:
 def exit_on_stop_signals() -> Iterator[None]:
     """Before training (planning, building the session): a stop signal other than SIGINT raises
     SystemExit(128 + its number), so ``finally`` clauses run (the planner's stash file, a new
-    run's marker, lock and folder are removed) instead of the process dying at once. Signals
-    with a handler of their own, or ignored, are left as they are; restored afterwards."""
-    if threading.current_thread() is not threading.main_thread():
+    run's marker, lock and folder are removed) instead of the process dying at once. The planner's
+    own guard (profile/stash.py): STOP_SIGNALS less SIGINT, those with a handler of their own or
+    ignored left as they are, restored afterwards."""
+    with polite_signals_exit():
         yield
-        return
-
-    def leave(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = {}
-    for signum in STOP_SIGNALS:
-        if signum != signal.SIGINT and signal.getsignal(signum) is signal.SIG_DFL:
-            previous[signum] = signal.signal(signum, leave)
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 class StopFlag:
