@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -64,3 +65,31 @@ def test_cpu_attention_is_priced_as_two_and_five_batched_matmuls() -> None:
         backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
         args = (out, q, q, q, out, logsumexp, 0.0, True)
         assert op_flops(backward, args, {}, backward(*args)) == 10 * b * h * s * s * d
+
+
+def test_moe_grouped_gemms_are_priced_as_the_routed_rows_matmuls() -> None:
+    """transformers' default MoE experts run ``aten._grouped_mm`` (torch's registry has no formula):
+    forward, input gradient and weight gradient each cost 2 m k n over the routed rows, so a tiny
+    Qwen3-MoE's grouped GEMMs add up to three times the forward's, S = tokens x top-k rows through
+    the gate-up (hidden -> 2 x expert width) and down (expert width -> hidden) projections."""
+    hf = pytest.importorskip("microbatch.hf")
+    batch, seq, hidden, width, top_k, layers = 2, 16, 32, 16, 2, 2
+    model = hf.tiny_moe(
+        "qwen3_moe", hidden_size=hidden, expert_size=width, top_k=top_k, num_layers=layers,
+        experts_implementation="grouped_mm", output_router_logits=False, dtype=torch.bfloat16,
+    )  # fmt: skip
+    calls: list[int] = []
+
+    class _Grouped(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket is torch.ops.aten._grouped_mm:
+                calls.append(op_flops(func, args, kwargs or {}, out))
+            return out
+
+    with _Grouped():
+        model(input_ids=torch.randint(0, 64, (batch, seq))).logits.float().sum().backward()
+    rows = batch * seq * top_k
+    forward = layers * (2 * rows * hidden * 2 * width + 2 * rows * width * hidden)
+    assert len(calls) == layers * 2 * 3 and all(flops > 0 for flops in calls)
+    assert sum(calls) == 3 * forward

@@ -11,8 +11,11 @@ uses: matmuls, convolutions, attention); ops without a formula are taken as band
 The rates are what kernels achieve, not the data sheet's peaks (``DeviceSpec``'s achieved rates,
 issue 20), by op class:
 
-- dense matmuls and convolutions: the matmul peak for the op's dtype (TF32 for float32 when
-  allowed) times the device's ``matmul_efficiency``;
+- dense matmuls and convolutions, and grouped GEMMs (``aten._grouped_mm``: transformers' default
+  MoE experts, one GEMM per expert over its routed rows): the matmul peak for the op's dtype (TF32
+  for float32 when allowed) times the device's ``matmul_efficiency``. A grouped GEMM's FLOPs are
+  the routed rows' whatever the routing, and it is priced at the dense rate: an expert with few rows
+  runs below it, which this does not model;
 - fused attention (SDPA's flash, memory-efficient and cuDNN kernels, forward and backward, and the
   CPU flash kernel the simulation's fake tensors dispatch to): the device's achieved attention
   FLOP/s. A causal kernel skips the masked half of the scores, and FlashAttention's published
@@ -68,12 +71,25 @@ def _cpu_attention_backward_flops(grad_out: Any, query: Any, key: Any, value: An
     return int(sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape))
 
 
+def grouped_mm_flops(mat_a: Any, mat_b: Any, *_: Any, **__: Any) -> int:
+    """A grouped GEMM (``aten._grouped_mm``, transformers' default MoE experts): one GEMM per expert,
+    the experts' rows (2D x 3D, the forward), columns (3D x 2D) or contraction (2D x 2D, the weight
+    gradient) split by ``offs``. Together the groups tile one m x k by k x n product, 2 m k n FLOPs,
+    whatever the split (the routing); 3D x 3D is a batched GEMM, the batch times that."""
+    m, k, n = int(mat_a.shape[-2]), int(mat_a.shape[-1]), int(mat_b.shape[-1])
+    batch = int(mat_a.shape[0]) if mat_a.dim() == 3 and mat_b.dim() == 3 else 1
+    return 2 * batch * m * k * n
+
+
 # Ops that torch's FLOP registry does not know but fake CPU tensors dispatch: SDPA on the CPU (the
-# simulation's fake tensors claim the CPU) runs as these, and would be priced as free.
+# simulation's fake tensors claim the CPU) runs as these, and would be priced as free; torch's
+# registry has no grouped GEMM either (torch 2.13), which would be priced as a copy.
 _FORMULAS: dict[Any, Any] = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
 }
+if hasattr(torch.ops.aten, "_grouped_mm"):
+    _FORMULAS[torch.ops.aten._grouped_mm] = grouped_mm_flops
 
 
 _ATTENTION_NAMES = (
