@@ -150,3 +150,32 @@ def test_long_sequence_activations_grow_linearly() -> None:
     _, cpu_long_bytes = _forward(model, CPU, long)
     # The tracing path keeps that (b, 1, s, s) mask in bf16 for SDPA's backward, and the K/V copies.
     assert cpu_long_bytes - long_bytes >= BATCH * long * long * 2
+
+
+def _tiny_deepseek_v3() -> nn.Module:
+    """Multi-head latent attention (queries and keys of 24, values of 16) with grouped-GEMM experts."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DeepseekV3Config(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=None,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, vocab_size=100,
+        use_cache=False, attn_implementation="sdpa",
+    )  # fmt: skip
+    with torch.device("meta"):
+        model: nn.Module = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.train()
+
+
+def test_latent_attention_runs_the_memory_efficient_kernel_on_a_gpu_target() -> None:
+    """Values narrower than queries and keys (DeepSeek-V3's MLA): CUDA's flash kernel wants one head
+    size, so SDPA runs the memory-efficient kernel (output and log-sum-exp kept); the CPU's fallback
+    is the math path, which keeps the b h s s attention matrix. The GPU target keeps no s x s tensor
+    and its forward keeps the same bytes per token at 80 and at 320 tokens."""
+    model = _tiny_deepseek_v3()
+    shapes, short_bytes = _forward(model, H100, 80, batch=1)
+    assert not [shape for shape in shapes if shape.count(80) >= 2]
+    _, long_bytes = _forward(model, H100, 320, batch=1)
+    assert long_bytes == pytest.approx(short_bytes * 4, rel=1e-3)
+    cpu_shapes, _ = _forward(model, CPU, 80, batch=1)
+    assert [shape for shape in cpu_shapes if shape.count(80) >= 2]

@@ -68,6 +68,8 @@ def cuda_kernels() -> Iterator[None]:
         if len(args) > 4:
             args = (*args[:4], 0.0, *args[5:])
         kwargs.pop("dropout_p", None)
+        if _value_head_differs(*args, **kwargs):
+            return _efficient_attention(*args, **kwargs)
         return attention(*args, **kwargs)
 
     F.dropout, F.scaled_dot_product_attention = fused_dropout, flash_attention
@@ -75,6 +77,32 @@ def cuda_kernels() -> Iterator[None]:
         yield
     finally:
         F.dropout, F.scaled_dot_product_attention = dropout, attention
+
+
+def _value_head_differs(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None, *_: Any, **__: Any
+) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3: queries and keys of 192, values of 128), unmasked
+    and one key per query head: CUDA's flash kernel wants one head size and SDPA takes the
+    memory-efficient kernel, which keeps the output and the log-sum-exp; the CPU's flash kernel
+    refuses it too and the CPU falls back to the math path, which keeps the attention matrix."""
+    return value.shape[-1] != query.shape[-1] and attn_mask is None and key.shape[-3] == query.shape[-3]
+
+
+def _efficient_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    **_: Any,
+) -> torch.Tensor:
+    """SDPA as CUDA's memory-efficient kernel runs it (the log-sum-exp kept when a gradient is due)."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    efficient = torch.ops.aten._scaled_dot_product_efficient_attention
+    return efficient(query, key, value, None, needs_grad, 0.0, is_causal, scale=scale)[0]
 
 
 def _choice_on_cuda(params: list[Any], differentiable: bool, use_fused: bool = False) -> tuple[bool, bool]:
