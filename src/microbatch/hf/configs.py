@@ -356,30 +356,34 @@ def simulate_config_profile(
     progress: ProgressFn | None = None,
     shard: str = "none",
     head_chunk_tokens: int | None = None,
+    moe_capacity_factor: float = 1.0,
 ) -> tuple[Workload, Profile]:
     """The full model's Workload and its simulated profile (three layers simulated, see the docstring).
 
     ``precision="mixed"`` with ``shard="fsdp"``: the blocks run as FSDP2 with
     ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` runs them (``fsdp_mixed``).
     ``head_chunk_tokens``: the runs with the loss head in chunks of that many tokens (chunk_head).
+    ``moe_capacity_factor``: a mixture of experts' routing in the eager expert loop (profile/routing.py).
     """
     fields = architecture_config(spec)
     layers = layer_count(fields)
     full = config_workload(spec, setup)
     fsdp_mixed = shard == "fsdp" and setup.autocast_dtype is not None
+    options: dict[str, Any] = {
+        "max_micro_batch_size": max_micro_batch_size,
+        "policies": policies,
+        "progress": progress,
+        "moe_capacity_factor": moe_capacity_factor,
+    }
     if layers <= SIMULATED_LAYERS and not fsdp_mixed:
         with _chunked(full.model, head_chunk_tokens):
-            return full, simulate_profile(
-                full, device, max_micro_batch_size=max_micro_batch_size, policies=policies, progress=progress
-            )
+            return full, simulate_profile(full, device, **options)
     run_setup = (
         dataclasses.replace(setup, precision=GATHERED_PRECISIONS[setup.precision]) if fsdp_mixed else setup
     )
     small = config_workload(spec, run_setup, layers=SIMULATED_LAYERS if layers > SIMULATED_LAYERS else None)
     with _chunked(small.model, head_chunk_tokens):
-        profile = simulate_profile(
-            small, device, max_micro_batch_size=max_micro_batch_size, policies=policies, progress=progress
-        )
+        profile = simulate_profile(small, device, **options)
     with simulation(full.model, device) as (_, clock):
         optimizer = full.make_optimizer()
         static, step_peak_bytes, step_seconds = static_costs(

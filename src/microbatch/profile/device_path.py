@@ -102,7 +102,8 @@ def _efficient_attention(
     """SDPA as CUDA's memory-efficient kernel runs it (the log-sum-exp kept when a gradient is due)."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     efficient = torch.ops.aten._scaled_dot_product_efficient_attention
-    return efficient(query, key, value, None, needs_grad, 0.0, is_causal, scale=scale)[0]
+    output: torch.Tensor = efficient(query, key, value, None, needs_grad, 0.0, is_causal, scale=scale)[0]
+    return output
 
 
 def _choice_on_cuda(params: list[Any], differentiable: bool, use_fused: bool = False) -> tuple[bool, bool]:

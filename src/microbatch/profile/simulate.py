@@ -51,6 +51,7 @@ from .costs import NONE, Profile
 from .device_path import cuda_path
 from .measure import ProgressFn, _blocks_and_policies, default_micro_batch_sizes
 from .roofline import RooflineClock
+from .routing import simulated_routing, simulated_routing_note
 from .runs import train_window
 from .timeline import BEFORE, END, END_FORWARD, Recorder, Run, _Event, split
 
@@ -272,12 +273,16 @@ def _handed_out(batches: list[Any]) -> Iterator[Any]:
         yield batches.pop(0)
 
 
-def _context_notes(device: DeviceSpec) -> list[str]:
+def _context_notes(device: DeviceSpec, model: nn.Module, moe_capacity_factor: float) -> list[str]:
+    """The notes on what the simulation assumed: the CUDA context's allowance, an MoE's routing."""
+    routing = simulated_routing_note(model, moe_capacity_factor)
+    notes = [routing] if routing is not None else []
     if not device.context_bytes:
-        return []
+        return notes
     return [
         f"{device.name}: the CUDA context and library workspaces, which the allocator does not see, "
-        f"are allowed {device.context_bytes / 1024**2:.0f} MiB (in the slack)"
+        f"are allowed {device.context_bytes / 1024**2:.0f} MiB (in the slack)",
+        *notes,
     ]
 
 
@@ -291,11 +296,13 @@ def simulate_profile(
     policies: Sequence[str] | None = None,
     tf32: bool = False,
     progress: ProgressFn | None = None,
+    moe_capacity_factor: float = 1.0,
 ) -> Profile:
     """What ``profile_workload`` would measure on ``device``, predicted under fake tensors.
 
     Same sizes, blocks and policies as the real profiler (offload is left out: it moves tensors to
-    the host, which a single simulated device does not model). The model is left as it was.
+    the host, which a single simulated device does not model). The model is left as it was. A
+    mixture of experts' routing is ``moe_capacity_factor``'s (profile/routing.py), stated in the notes.
     """
     began = time.perf_counter()
     model = workload.model
@@ -304,10 +311,9 @@ def simulate_profile(
     found, chosen, notes = _blocks_and_policies(
         model, blocks, [p for p in wanted if p != "offload"], device.torch_device
     )
-    cuda = device.kind == "cuda"
-    with _training_mode(model), simulation(model, device, tf32=tf32) as (mode, clock):
-        for parameter in model.parameters():
-            parameter.grad = None
+    cuda, routing = device.kind == "cuda", simulated_routing(model, moe_capacity_factor)
+    with _training_mode(model), routing, simulation(model, device, tf32=tf32) as (mode, clock):
+        model.zero_grad(set_to_none=True)
         optimizer = workload.make_optimizer()
         static, step_peak_bytes, step_seconds = static_costs(model, optimizer, clock, cuda=cuda)
         # The profiled runs hold every gradient, as from a window's second micro-batch on.
@@ -317,9 +323,8 @@ def simulate_profile(
         runner = _Runner(workload, found, optimizer, mode, clock, cuda)
         memory_runs, first_runs = runner.runs(chosen, sizes, progress)
         gradients = gradient_bytes_by_segment(model, found)
-        for parameter in model.parameters():
-            parameter.grad = None
-    notes.extend(_context_notes(device))
+        model.zero_grad(set_to_none=True)
+    notes.extend(_context_notes(device, model, moe_capacity_factor))
     measured = Measurements(
         sizes=sizes,
         policies=chosen,
