@@ -88,3 +88,17 @@ def test_grouped_gemms_hold_for_any_routing_and_the_notes_say_so(tmp_path: Path)
     assert any(
         "as grouped GEMMs" in note and "moe_capacity_factor 4 sizes no tensor" in note for note in notes
     )
+
+
+def test_the_cli_takes_the_capacity_factor_and_the_plan_says_which_routing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from microbatch.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TINY_QWEN3_MOE, "experts_implementation": "eager"}), encoding="utf-8")
+    argv = ["plan", str(path), "--device", "h100-80gb", "--batch", "4", "--seq-len", str(SEQ)]
+    assert main([*argv, "--memory", "8GiB", "--no-progress", "--moe-capacity-factor", "2"]) == 0
+    assert "busiest expert taking 2 x its balanced share of 2/8 of the tokens" in capsys.readouterr().out
+    assert main([*argv, "--memory", "8GiB", "--no-progress", "--moe-capacity-factor", "0.5"]) != 0
+    assert "moe_capacity_factor must be a finite number >= 1" in capsys.readouterr().err

@@ -145,6 +145,16 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (architectures)")
     parser.add_argument(
+        "--moe-capacity-factor",
+        type=float,
+        default=1.0,
+        help=(
+            "architectures, mixtures of experts: the routing simulated for transformers' eager expert loop, "
+            "the busiest expert this many times its balanced top_k/E share of the tokens (1: balanced); "
+            "grouped-GEMM experts (transformers' default) are sized by the routed rows whatever the routing"
+        ),
+    )
+    parser.add_argument(
         "--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (needs peft)"
     )
 
@@ -180,6 +190,7 @@ def _architecture(
         progress=progress,
         shard=args.shard,
         head_chunk_tokens=head_chunk_tokens,
+        moe_capacity_factor=args.moe_capacity_factor,
     )
 
 
