@@ -53,6 +53,8 @@ TORCHTITAN_EXPANDABLE = "https://github.com/pytorch/torchtitan/commit/a5e57e4"
 TORCHTITAN_FUSED_NORM = "https://github.com/pytorch/torchtitan/blob/041336434916bdc0f88c1f89fda176fd3c2092e4/train_configs/llama2_13b.toml"
 NANOGPT = "https://github.com/karpathy/nanoGPT/blob/master/README.md"
 TORCHTUNE = "https://github.com/pytorch/torchtune/blob/main/README.md#optimization-flags"
+TORCHTITAN_DSV3_OOM = "https://github.com/pytorch/torchtitan/issues/1789"
+PITHTRAIN_79 = "https://github.com/mlc-ai/pith-train/issues/79"
 # Llama 2 13B's public config.json (meta-llama/Llama-2-13b-hf): not among the named architectures.
 LLAMA2_13B = {
     "model_type": "llama",
@@ -90,7 +92,7 @@ class Run:
     precision: str  # "mixed": fp32 parameters and optimizer state, bf16 compute (FSDP2 / autocast)
     policy: str  # activation checkpointing: none, full, selective, selective-half (torchtitan's op SAC)
     shard: str  # fsdp or ddp
-    tokens_per_second: float  # per GPU, as published
+    tokens_per_second: float | None  # per GPU, as published; None: a peak-only row (published_device)
     peak_gib: float | None  # as published, None when not given
     source: str
     detail: str  # what the source says, and what differs from the simulation
@@ -99,6 +101,11 @@ class Run:
     peak_kind: str = "reserved"
     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as the run's launch script set it.
     expandable_segments: bool = False
+    moe: bool = False  # a mixture of experts (simulated under balanced routing, see MOE_NOTE)
+    head_chunks: int = 0  # the loss head in this many chunks of the micro-batch's tokens (0: whole)
+    # The run's GPU when no preset has it: the peak is simulated on ``device``'s allocator model
+    # (memory does not depend on the rates) and tokens/s is not simulated.
+    published_device: str | None = None
 
 
 # BERT-large (bert-large-uncased's config.json, DeepLearningExamples' vocabulary padded to 30528):
@@ -115,7 +122,62 @@ BERT_LARGE = {
     "type_vocab_size": 2,
     "is_decoder": True,
 }
-CONFIGS = {"llama-2-13b": LLAMA2_13B, "llama-2-70b": LLAMA2_70B, "bert-large": BERT_LARGE}
+# torchtitan's DeepSeek-V3 16B flavor (torchtitan/models/deepseek_v3/__init__.py at 82a9530, the
+# commit that answered issue 1789) as transformers' DeepseekV3 config: 27 layers (the first dense),
+# width 2048, dense FFN 10944, 64 routed experts of width 1408, top-6, 2 shared experts, MLA without
+# a query LoRA (KV LoRA rank 512, heads 128 + 64 rope, values 128), 16 heads, vocabulary 102400;
+# its router scores by softmax (route_norm off), one expert group.
+DEEPSEEK_V3_16B = {
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 27,
+    "first_k_dense_replace": 1,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": False,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "vocab_size": 102400,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+# Qwen3-30B-A3B's public config.json (torchtitan's "30B-A3B" flavor has the same numbers): 48
+# layers, width 2048, 128 experts of width 768, top-8 (probabilities renormalized), 32 query and 4
+# key/value heads of 128, vocabulary 151936, untied head.
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe",
+    "num_hidden_layers": 48,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+}
+CONFIGS = {
+    "llama-2-13b": LLAMA2_13B,
+    "llama-2-70b": LLAMA2_70B,
+    "bert-large": BERT_LARGE,
+    "deepseek-v3-16b": DEEPSEEK_V3_16B,
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+}
 DLE_BERT = (
     "https://github.com/NVIDIA/DeepLearningExamples/blob/master/PyTorch/LanguageModeling/BERT/README.md"
     "#pre-training-nvidia-dgx-1-with-16g"
@@ -311,6 +373,56 @@ RUNS = (
         "per GPU), 600k iterations in 'about 4 days': 491,520 tokens per 0.576 s, 106.7k per GPU; bf16 "
         "autocast, fused AdamW, torch.compile (simulated eager); 'about' makes this row approximate",
     ),
+    Run(
+        "torchtitan DeepSeek-V3 16B (MoE), 8 H100 80GB, FSDP (run: EP 8)",
+        "deepseek-v3-16b",
+        "h100-80gb",
+        8,
+        4,
+        1,
+        4096,
+        "mixed",
+        "selective-half",
+        "fsdp",
+        (11_636 + 11_758 + 11_533 + 11_254) / 4,
+        73.32,
+        TORCHTITAN_DSV3_OOM,
+        "the issue's log with local_batch_size lowered to 4 (the fix its commit 82a9530 made the default): "
+        "steps 10-40 at 11,636 / 11,758 / 11,533 / 11,254 tps (their mean here), memory 73.32 GiB "
+        "(92.70 %); deepseek_v3_16b.toml at 8a2686c: seq 4096, FSDP 8 with expert_parallel_degree 8, "
+        "selective op AC, compile of the loss only, bf16 FSDP2 mixed precision; run_train.sh sets "
+        "expandable_segments:True. Simulated without expert parallelism (FSDP all-gathers the experts, "
+        "no all-to-all), transformers' DeepseekV3 (grouped-GEMM experts, sigmoid router) for torchtitan's "
+        "(softmax router), its latent attention as CUDA's memory-efficient SDPA kernel for the run's "
+        "FlexAttention block-causal mask, eager loss",
+        expandable_segments=True,
+        moe=True,
+    ),
+    Run(
+        "torchtitan Qwen3-30B-A3B (MoE), 8 B200, FSDP, EP 1",
+        "qwen3-30b-a3b",
+        "h200",
+        8,
+        8,
+        1,
+        8192,
+        "mixed",
+        "selective-half",
+        "fsdp",
+        None,
+        141.79,
+        PITHTRAIN_79,
+        "TorchTitan baseline in the issue: BF16, seq 8192, FSDP 8, EP 1, PP 1, micro-batch 8 (global 64), "
+        "selective AC, eight loss chunks, compiled blocks and loss; stable steps 19.41k / 19.53k / 19.52k "
+        "tokens/s/GPU, 141.79 GiB peak. No B200 preset: peak only, simulated with the h200 preset's "
+        "allocator model (the peak does not depend on the rates; the card's 179 GiB is not the h200's), "
+        "the loss head in eight chunks as the run, eager blocks for its compiled ones; its launch is not "
+        "published: expandable segments as torchtitan's run_train.sh sets them",
+        expandable_segments=True,
+        moe=True,
+        head_chunks=8,
+        published_device="8 x B200 (no preset)",
+    ),
 )
 
 # Published runs the project cannot express, and what is missing.
@@ -428,6 +540,7 @@ def _simulate(run: Run, folder: Path) -> dict[str, Any]:
     spec = devices()[run.device]
     roomy = spec.replace(memory_bytes=2**40)  # the published peak may exceed what the preset holds
     setup = ModelSetup(seq_len=run.seq_len, precision=precision)
+    chunk_tokens = run.micro_batch * run.seq_len // run.head_chunks if run.head_chunks else None
     workload, profile = simulate_config_profile(
         _config_path(run.model, folder),
         setup,
@@ -435,6 +548,7 @@ def _simulate(run: Run, folder: Path) -> dict[str, Any]:
         max_micro_batch_size=run.micro_batch,
         policies=[run.policy],
         shard=run.shard,  # mixed under FSDP2: bf16 gathered blocks, no per-rank autocast copies
+        head_chunk_tokens=chunk_tokens,
     )
     chosen = plan(
         workload,
@@ -477,8 +591,10 @@ def _simulate(run: Run, folder: Path) -> dict[str, Any]:
         "precision_simulated": precision,
         "precision_note": note,
         "published_tokens_per_second": run.tokens_per_second,
-        "predicted_tokens_per_second": predicted,
-        "tokens_error": predicted / run.tokens_per_second - 1,
+        "predicted_tokens_per_second": None if run.published_device else predicted,
+        "tokens_error": None
+        if run.tokens_per_second is None or run.published_device
+        else predicted / run.tokens_per_second - 1,
         "published_peak_gib": run.peak_gib,
         "predicted_peak_bytes": peak,
         "peak_error": None if run.peak_gib is None else peak / (run.peak_gib * GIB) - 1,
@@ -527,41 +643,54 @@ def _variant(report: dict[str, Any], name: str) -> str:
     return " and ".join(errors) if errors else "(not simulated)"
 
 
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def _cells(run: Run, row: dict[str, Any]) -> list[str]:
+    """One row of the table: the run, its configuration, tokens/s and peak beside the published."""
+    if run.published_device:
+        fits = f"- (simulated on the {run.device} preset's allocator; ran on {run.published_device})"
+    elif row["reserved_bytes"] <= row["card_bytes"]:
+        fits = "yes"
+    else:
+        fits = f"no ({format_bytes(row['card_bytes'])})"
+    return [
+        run.name,
+        _configuration(run, row),
+        _number(run.tokens_per_second),
+        _number(row["predicted_tokens_per_second"]),
+        _percent(row["tokens_error"]),
+        "-" if run.peak_gib is None else f"{run.peak_gib:.1f} GiB {run.peak_kind}",
+        format_bytes(row["predicted_peak_bytes"]),
+        _percent(row["peak_error"]),
+        fits,
+        f"[source]({run.source}): {run.detail}",
+    ]
+
+
+HEADERS = [
+    "run",
+    "configuration (per GPU)",
+    "published tokens/s/GPU",
+    "predicted",
+    "error",
+    "published peak",
+    "predicted peak",
+    "error",
+    "fits the card (the run did)",
+    "source",
+]
+
+
 def section(report: dict[str, Any]) -> str:
     runs = {run.name: run for run in RUNS}
-    rows = []
-    for row in report["rows"]:
-        run = runs[row["name"]]
-        rows.append(
-            [
-                run.name,
-                _configuration(run, row),
-                f"{run.tokens_per_second:,.0f}",
-                f"{row['predicted_tokens_per_second']:,.0f}",
-                _percent(row["tokens_error"]),
-                "-" if run.peak_gib is None else f"{run.peak_gib:.1f} GiB {run.peak_kind}",
-                format_bytes(row["predicted_peak_bytes"]),
-                _percent(row["peak_error"]),
-                "yes"
-                if row["reserved_bytes"] <= row["card_bytes"]
-                else f"no ({format_bytes(row['card_bytes'])})",
-                f"[source]({run.source}): {run.detail}",
-            ]
-        )
-    headers = [
-        "run",
-        "configuration (per GPU)",
-        "published tokens/s/GPU",
-        "predicted",
-        "error",
-        "published peak",
-        "predicted peak",
-        "error",
-        "fits the card (the run did)",
-        "source",
-    ]
+    dense = [row for row in report["rows"] if not runs[row["name"]].moe]
+    moe = [row for row in report["rows"] if runs[row["name"]].moe]
+    rows = [_cells(runs[row["name"]], row) for row in dense]
+    headers = HEADERS
     missing = [[name, figures, f"[source]({source})", why] for name, figures, source, why in NOT_EXPRESSIBLE]
-    all_rows = report["rows"]
+    all_rows = dense
     tokens_ok = [row for row in all_rows if abs(row["tokens_error"]) <= TOKENS_TARGET]
     peaks = [row for row in all_rows if row["peak_error"] is not None]
     peaks_ok = [row for row in peaks if abs(row["peak_error"]) <= PEAK_TARGET]
@@ -631,12 +760,86 @@ def section(report: dict[str, Any]) -> str:
             "",
             results.markdown_table(["run", "published", "source", "missing"], missing),
             "",
+            *(moe_section(runs, moe) if moe else []),
             f"Load while simulating: {report['load_before']} before, {report['load_after']} after "
             f"(/proc/loadavg); {report['seconds']:.0f} s in all; peak RSS {report['max_rss_mib']:.0f} MiB.",
             "",
             results.environment_line(),
         ]
     )
+
+
+# What the simulation assumes of a mixture of experts' routing (issue 36).
+MOE_NOTE = (
+    "the experts run as transformers runs them by default, grouped GEMMs (experts_implementation "
+    "grouped_mm: the tokens sorted by expert, one GEMM per expert over its rows, aten._grouped_mm), "
+    "whose shapes are the routed rows, tokens x top-k, whatever the routing: the simulated memory and "
+    "FLOPs are those of any routing, balanced (top_k / E of the tokens per expert) or not, and the "
+    "roofline prices the grouped GEMMs at the dense matmul rate (2 m k n over the routed rows; an "
+    "imbalanced routing's small experts run below it, which is not modeled). transformers' eager "
+    "expert loop (nonzero / torch.where on the routing mask, one expert at a time) has data-dependent "
+    "shapes that fake tensors cannot size: simulated, each expert runs on the rows a stated routing "
+    "gives it, balanced by default, or the busiest expert moe_capacity_factor times its balanced share "
+    "(profile/routing.py), and the plan's notes say which; a real profile measures the batches' own "
+    "routing (tests/test_hf_moe_peak.py)"
+)
+# Published MoE runs the simulation cannot express, and what is missing.
+NOT_EXPRESSIBLE_MOE = (
+    (
+        "torchtitan DeepSeek-V3 16B, 8 H100 80GB, FSDP 8 x EP 8, local batch 8 (the toml's default then)",
+        "out of memory on 80 GB",
+        TORCHTITAN_DSV3_OOM,
+        "expert parallelism (experts placed by rank, tokens moved by all-to-all)",
+    ),
+    (
+        "PithTrain Qwen3-30B-A3B, 8 B200, EP 4 x PP 2, seq 8192",
+        "about 17.5k tokens/s/GPU",
+        PITHTRAIN_79,
+        "expert and pipeline parallelism; no B200 preset",
+    ),
+    (
+        "NousResearch torchtitan Qwen3-30B-A3B, DeepEP EP 8, 1 to 16 nodes of 8 GPUs",
+        "14,796 ... 13,856 tokens/s, 167.93 ... 114.78 GiB per GPU",
+        "https://github.com/NousResearch/torchtitan/pull/19",
+        "expert parallelism over DeepEP's all-to-all, fused kernels; the GPU (178 GiB cards by its "
+        "percentages) has no preset",
+    ),
+    (
+        "TRL Qwen3-30B-A3B full fine-tune, 8 H100, transformers ep=8",
+        "0.9 s a step, 34 GB peak",
+        "https://github.com/huggingface/trl/pull/6869",
+        "transformers' expert parallelism (the expert-parallel group shares one batch), chunked NLL loss",
+    ),
+    (
+        "Megatron-LM Mixtral 8x7B, 16 H100, EP 8",
+        "130 TFLOPS per GPU",
+        "https://github.com/NVIDIA/Megatron-LM/issues/756",
+        "expert parallelism, Megatron-Core's fused kernels and distributed optimizer",
+    ),
+)
+
+
+def moe_section(runs: dict[str, Run], moe: list[dict[str, Any]]) -> list[str]:
+    """The mixture-of-experts rows (issue 36): their table, the routing assumed, what is missing."""
+    missing = [
+        [name, figures, f"[source]({source})", why] for name, figures, source, why in NOT_EXPRESSIBLE_MOE
+    ]
+    return [
+        "Mixtures of experts (issue 36): each run's configuration simulated as the dense rows (three "
+        "layers, the middle one repeated; DeepSeek-V3's first layer is its dense one), the published "
+        "figures beside it; the expert parallelism the DeepSeek-V3 run used is not simulated (its "
+        "experts all-gathered by FSDP instead, no all-to-all), and the Qwen3-30B-A3B row ran on B200s, "
+        "which no preset models: its peak only.",
+        "",
+        results.markdown_table(HEADERS, [_cells(runs[row["name"]], row) for row in moe]),
+        "",
+        f"Routing: {MOE_NOTE}.",
+        "",
+        "Published MoE runs the simulation cannot express:",
+        "",
+        results.markdown_table(["run", "published", "source", "missing"], missing),
+        "",
+    ]
 
 
 def _load() -> str:
@@ -662,7 +865,7 @@ def main(argv: list[str] | None = None) -> int:
         for run in runs:
             row = simulate_run(run, Path(folder))
             print(
-                f"{run.name}: {row['predicted_tokens_per_second']:,.0f} tokens/s/GPU "
+                f"{run.name}: {_number(row['predicted_tokens_per_second'])} tokens/s/GPU "
                 f"({_percent(row['tokens_error'])}), "
                 f"peak {format_bytes(row['predicted_peak_bytes'])} "
                 f"({_percent(row['peak_error'])}), {row['planning_seconds']:.0f} s",
