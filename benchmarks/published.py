@@ -829,10 +829,11 @@ def moe_section(runs: dict[str, Run], moe: list[dict[str, Any]]) -> list[str]:
         "layers, the middle one repeated; DeepSeek-V3's first layer is its dense one), the published "
         "figures beside it; the expert parallelism the DeepSeek-V3 run used is not simulated (its "
         "experts all-gathered by FSDP instead, no all-to-all), and the Qwen3-30B-A3B row ran on B200s, "
-        "which no preset models: its peak only. Both ran torchtitan's op-level selective checkpointing, "
-        "whose save list (aten.mm, the attention kernels, reduce-scatter, all-to-all: "
-        "deepseek_v3/infra/parallelize.py at 8a2686c) has no grouped GEMM, so the experts are recomputed "
-        "in backward, as microbatch's 'selective-half' does (it saves matmul-class ops only).",
+        "which no preset models: its peak only. The DeepSeek-V3 run's op-level selective checkpointing "
+        "saves aten.mm, the attention kernels, reduce-scatter and all-to-all "
+        "(deepseek_v3/infra/parallelize.py at 8a2686c), no grouped GEMM: the experts are recomputed in "
+        "backward, as microbatch's 'selective-half' does (it saves matmul-class ops only); the Qwen3 "
+        "run's torchtitan revision is not published and is simulated alike.",
         "",
         results.markdown_table(HEADERS, [_cells(runs[row["name"]], row) for row in moe]),
         "",
