@@ -629,8 +629,10 @@ VARIANTS = {
 
 
 def simulate_variants(runs: tuple[Run, ...], folder: Path) -> list[dict[str, Any]]:
-    """The rows with torchtitan's policy and allocator setting, each setting undone alone."""
-    varied = [run for run in runs if run.policy == "selective-half" and run.expandable_segments]
+    """The dense rows with torchtitan's policy and allocator setting, each setting undone alone."""
+    varied = [
+        run for run in runs if run.policy == "selective-half" and run.expandable_segments and not run.moe
+    ]
     return [
         {"name": run.name, "variant": name, "peak_error": simulate_run(change(run), folder)["peak_error"]}
         for run in varied
