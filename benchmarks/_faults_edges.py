@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import faults  # benchmarks/faults.py
+from _faults_clear import clear_cases
 from _faults_runs import _lines, _popen_train, _wait_for
 from faults import TINY, Case, Ran, judged, python, snippet_outcome, train
 
@@ -344,6 +345,6 @@ def torchrun_cases(work: str, cases: list[Case]) -> None:
 
 def edge_cases(work: str) -> list[Case]:
     cases: list[Case] = []
-    for group in (writer_cases, output_cases, state_cases, signal_cases, torchrun_cases):
+    for group in (writer_cases, output_cases, state_cases, signal_cases, torchrun_cases, clear_cases):
         group(work, cases)
     return cases

@@ -1,0 +1,71 @@
+"""Issue 35's clear words (item 10): each refusal says what is true and names the fix.
+
+Imported by _faults_edges.py (``python benchmarks/faults.py --only edges``). A case is ``clear error``
+when the words hold (one line, exit 2, the named fix works where one is named), ``unclear`` when they
+do not, ``traceback`` / ``silent wrong`` as faults.py judges.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+
+from faults import Case, Ran, cli, judged
+
+OWNER = "edges"
+SIZE = r"[\d.,e+]+ (?:B|KiB|MiB|GiB)"
+
+
+def _case(cases: list[Case], name: str, expected: str, check: Callable[[], tuple[str, str]]) -> None:
+    began = time.perf_counter()
+    try:
+        outcome, detail = check()
+    except Exception as error:  # the harness's own failure is reported, not hidden
+        outcome, detail = "traceback", f"harness: {type(error).__name__}: {error}"[:160]
+    cases.append(Case(name, expected, outcome, detail[:160], time.perf_counter() - began, OWNER))
+
+
+def _refused(ran: Ran) -> tuple[str, str]:
+    outcome, detail = judged(ran, ok=lambda r: False)
+    if "This is a bug" in ran.err or "internal error" in ran.err:
+        return "unclear", detail
+    return outcome, detail
+
+
+def _one_minimum(memory: str, *, fits: bool) -> tuple[str, str]:
+    """gpt-nano on 2 ranks (DDP's buckets outside the model): one minimum, the budget as given; with
+    ``fits`` the minimum, given back as it reads, plans."""
+    args = ("plan", "gpt-nano", "--batch", "8", "--world-size", "2", "--no-progress")
+    ran = cli(*args, "--memory", memory, timeout=300)
+    outcome, detail = _refused(ran)
+    if outcome != "clear error":
+        return outcome, detail
+    line = ran.err.strip().splitlines()[-1]
+    named = set(re.findall(rf"at least ({SIZE})", line))
+    given = re.sub(r"(\d)([KMG]iB)", r"\1 \2", memory)
+    if len(named) != 1 or f"memory={given}" not in line:
+        return "unclear", f"minimums {sorted(named)}; budget {given} named: {f'memory={given}' in line}"
+    (minimum,) = named
+    if not fits:
+        sound = "not measured" in line and "refused before profiling" in line
+        return ("clear error", f"one lower bound, {minimum}, said why") if sound else ("unclear", line)
+    again = cli(*args, "--memory", minimum.replace(" ", ""), timeout=300)
+    if again.rc != 0:
+        return "unclear", f"{minimum} given back: exit {again.rc}: {again.err.strip()[-100:]}"
+    return "clear error", f"one minimum, {minimum}; given back it plans"
+
+
+def clear_cases(work: str, cases: list[Case]) -> None:
+    _case(
+        cases,
+        "budget refused (DDP buckets outside the model)",
+        "one minimum, fits when given back",
+        lambda: _one_minimum("700KiB", fits=True),
+    )
+    _case(
+        cases,
+        "budget below the weights (DDP buckets outside the model)",
+        "one lower bound, said why",
+        lambda: _one_minimum("600KiB", fits=False),
+    )
