@@ -11,7 +11,7 @@ import re
 import time
 from collections.abc import Callable
 
-from faults import Case, Ran, cli, judged
+from faults import Case, Ran, cli, judged, python, snippet_outcome
 
 OWNER = "edges"
 SIZE = r"[\d.,e+]+ (?:B|KiB|MiB|GiB)"
@@ -56,7 +56,31 @@ def _one_minimum(memory: str, *, fits: bool) -> tuple[str, str]:
     return "clear error", f"one minimum, {minimum}; given back it plans"
 
 
+SNIPPETS = {
+    "mb.plan: the user's loss raises at micro-batch 4": (
+        "the user's type, a note naming the call and the size",
+        """
+        import microbatch as mb
+        from microbatch.workload import seed_linear
+        w = seed_linear(); inner = w.loss
+        def loss(model, batch):
+            if len(batch[0]) == 4: raise KeyError("label 7")
+            return inner(model, batch)
+        w.loss = loss
+        try:
+            mb.plan(w, batch=8, memory="64MiB"); print("silent wrong|planned")
+        except KeyError as e:
+            note = " ".join(getattr(e, "__notes__", []))
+            good = "loss(model, batch)" in note and "micro-batch of 4 samples" in note
+            print(("clear error|" if good else "unclear|no context: ") + (note or repr(e))[:140])
+        """,
+    ),
+}
+
+
 def clear_cases(work: str, cases: list[Case]) -> None:
+    for name, (expected, code) in SNIPPETS.items():
+        _case(cases, name, expected, lambda code=code: snippet_outcome(python(code)))
     _case(
         cases,
         "budget refused (DDP buckets outside the model)",

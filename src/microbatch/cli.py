@@ -25,7 +25,7 @@ import torch
 
 from . import __version__, distributed
 from .commands import quiet
-from .errors import MicrobatchError
+from .errors import MicrobatchError, planning_notes
 
 # name -> one-line help; the module is microbatch.commands.<name>
 COMMANDS: dict[str, str] = {
@@ -155,9 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verbose:
             traceback.print_exception(error, file=sys.stderr)
         hint = "" if args.verbose else " (run `microbatch --verbose ...` for the traceback)"
+        during = "".join(f" ({note})" for note in planning_notes(error))
         print(
             f"microbatch {args.command}: error in your code: {where} raised "
-            f"{type(error).__name__}: {_one_line(error)}{hint}",
+            f"{type(error).__name__}: {_one_line(error)}{during}{hint}",
             file=sys.stderr,
         )
         return 2
