@@ -78,7 +78,23 @@ SNIPPETS = {
 }
 
 
+def _verify_advice() -> tuple[str, str]:
+    """verify on a workload whose micro-batches differ in tokens: advice in the workload's terms."""
+    ran = cli("verify", "lm-varlen", "--batch", "16", "--steps", "4", timeout=300)
+    outcome, detail = judged(ran, ok=lambda r: r.rc == 0)
+    advice = [line for line in ran.out.splitlines() if "item-counts" in line]
+    if outcome != "ok":
+        return outcome, detail
+    if not advice:
+        return "unclear", "no item-counts line"
+    if "backward(" in advice[0] or "(loss, items)" not in advice[0]:
+        return "unclear", advice[0][-150:]
+    return "ok", "advice names what the workload's loss returns"
+
+
 def clear_cases(work: str, cases: list[Case]) -> None:
+    name = "verify: micro-batches with different token counts"
+    _case(cases, name, "advice fits the workload", _verify_advice)
     for name, (expected, code) in SNIPPETS.items():
         _case(cases, name, expected, lambda code=code: snippet_outcome(python(code)))
     _case(
