@@ -75,6 +75,18 @@ SNIPPETS = {
             print(("clear error|" if good else "unclear|no context: ") + (note or repr(e))[:140])
         """,
     ),
+    "split_by_tokens with max_tokens=10**17": (
+        "one micro-batch (no budget binds), or a ConfigError naming the argument",
+        """
+        import microbatch as mb
+        from microbatch.errors import ConfigError
+        try:
+            groups = mb.split_by_tokens([5] * 1000, 10**17)
+            good = groups == [list(range(1000))]
+            print(("ok|" if good else "silent wrong|") + f"{len(groups)} micro-batch(es) for 5000 tokens")
+        except ConfigError as e: print("clear error|" + str(e)[:140])
+        """,
+    ),
 }
 
 
