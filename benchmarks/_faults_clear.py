@@ -8,9 +8,13 @@ do not, ``traceback`` / ``silent wrong`` as faults.py judges.
 from __future__ import annotations
 
 import re
+import resource
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
+import faults
 from faults import Case, Ran, cli, judged, python, snippet_outcome
 
 OWNER = "edges"
@@ -104,7 +108,41 @@ def _verify_advice() -> tuple[str, str]:
     return "ok", "advice names what the workload's loss returns"
 
 
+def _capped(work: str, *args: str) -> tuple[str, str]:
+    """``microbatch ARGS`` under an address-space cap (ulimit -v) 1.5 GiB above what importing
+    torch and microbatch takes: the batch asked for cannot be allocated."""
+    probe = (
+        "import os, torch, microbatch; "
+        "print(int(open('/proc/self/statm').read().split()[0]) * os.sysconf('SC_PAGE_SIZE'))"
+    )
+    imported = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=faults.environment()
+    )
+    cap = int(imported.stdout.split()[-1]) + 1536 * 2**20
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    ran = subprocess.run(
+        [sys.executable, "-m", "microbatch", *args],
+        capture_output=True, text=True, env=faults.environment(), cwd=work, preexec_fn=limit, timeout=300,
+    )  # fmt: skip
+    outcome, detail = _refused(Ran(ran.returncode, ran.stdout, ran.stderr, 0.0))
+    if outcome == "clear error" and "host ran out of memory" not in detail:
+        return "unclear", detail
+    return outcome, detail
+
+
 def clear_cases(work: str, cases: list[Case]) -> None:
+    for name, args in (
+        ("verify --batch 2*10^8 under ulimit -v", ("verify", "gpt-nano", "--batch", str(2 * 10**8))),
+        (
+            "train --batch 2*10^7 under ulimit -v",
+            ("train", "--model", "gpt-nano", "--batch", str(2 * 10**7), "--micro-batch", "1000",
+             "--steps", "1", "--no-progress", "--out", "capped-run"),
+        ),
+    ):  # fmt: skip
+        _case(cases, name, "host memory named, lower --batch", lambda args=args: _capped(work, *args))
     name = "verify: micro-batches with different token counts"
     _case(cases, name, "advice fits the workload", _verify_advice)
     for name, (expected, code) in SNIPPETS.items():

@@ -25,6 +25,7 @@ import torch
 
 from . import __version__, distributed
 from .commands import quiet
+from .commands.host_memory import host_memory_line, host_out_of_memory
 from .errors import MicrobatchError, planning_notes
 
 # name -> one-line help; the module is microbatch.commands.<name>
@@ -139,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"microbatch {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as error:
+        if host_out_of_memory(error):
+            line = host_memory_line(args.command, error, args)
+            print(f"microbatch {args.command}: error: {line}", file=sys.stderr)
+            return 2
         where = user_code_frame(error.__traceback__)
         if where is None and isinstance(error, OSError) and error.errno in _ENVIRONMENT_ERRNOS:
             # The machine, not the code: a full disk or TMPDIR, a read-only folder, a quota.
