@@ -91,6 +91,22 @@ SNIPPETS = {
         except ConfigError as e: print("clear error|" + str(e)[:140])
         """,
     ),
+    "plan file: one bit flipped, still a valid plan": (
+        "refused by its checksum, naming the file",
+        """
+        import os, tempfile
+        from microbatch.errors import ConfigError
+        from microbatch.planner import Plan
+        path = os.path.join(tempfile.mkdtemp(), "plan.json")
+        Plan.manual(batch_size=12, micro_batch_size=4).save(path)
+        raw = bytearray(open(path, "rb").read()); raw[raw.index(b'"steps": 3') + 9] ^= 2  # 3 steps -> 1
+        open(path, "wb").write(bytes(raw))
+        try: Plan.load(path); print("silent wrong|loaded a changed plan")
+        except ConfigError as e:
+            good = path in str(e) and "checksum" in str(e)
+            print(("clear error|" if good else "unclear|") + str(e)[:140])
+        """,
+    ),
 }
 
 
