@@ -98,8 +98,8 @@ SNIPPETS = {
         from microbatch.errors import ConfigError
         from microbatch.planner import Plan
         path = os.path.join(tempfile.mkdtemp(), "plan.json")
-        Plan.manual(batch_size=12, micro_batch_size=4).save(path)
-        raw = bytearray(open(path, "rb").read()); raw[raw.index(b'"steps": 3') + 9] ^= 2  # 3 steps -> 1
+        Plan.manual(batch_size=12, micro_batch_size=4, parameters=20).save(path)
+        raw = bytearray(open(path, "rb").read()); raw[raw.index(b'"parameters": 20') + 14] ^= 1  # 20 -> 30
         open(path, "wb").write(bytes(raw))
         try: Plan.load(path); print("silent wrong|loaded a changed plan")
         except ConfigError as e:

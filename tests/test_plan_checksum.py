@@ -31,8 +31,9 @@ def test_a_saved_plan_carries_a_checksum_and_loads_back(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "edit",
     [
-        lambda text: text.replace('"batch_size": 12', '"batch_size": 13'),  # a valid plan, changed
-        lambda text: text.replace('"micro_batch_size": 4', '"micro_batch_size": 6'),
+        # each still a valid plan (the field checks pass), but not the one saved
+        lambda text: text.replace('"parameters": 20', '"parameters": 2000000'),
+        lambda text: text.replace('"workload": "manual"', '"workload": "gpt-nano"'),
         lambda text: text.replace('"sha256:', '"sha256:0', 1),  # the checksum itself damaged
     ],
 )
@@ -50,8 +51,8 @@ def test_a_changed_plan_is_refused_naming_the_file(tmp_path: Path, edit) -> None
 def test_one_flipped_bit_is_refused(tmp_path: Path) -> None:
     path = _saved(tmp_path)
     raw = bytearray(path.read_bytes())
-    where = raw.index(b'"steps": 3') + len(b'"steps": ')
-    raw[where] ^= 0b10  # '3' -> '1': still JSON, still a plan shape, a different plan
+    where = raw.index(b'"parameters": 20') + len(b'"parameters": ')
+    raw[where] ^= 0b1  # '2' -> '3': 30 parameters, still a valid plan, not the one saved
     path.write_bytes(bytes(raw))
     with pytest.raises(ConfigError, match="fails its checksum"):
         Plan.load(path)
@@ -63,3 +64,10 @@ def test_a_plan_without_a_checksum_still_loads(tmp_path: Path) -> None:
     del data["checksum"]
     path.write_text(json.dumps(data, indent=2))  # as an older microbatch wrote it
     assert Plan.load(path) == Plan.manual(batch_size=12, micro_batch_size=4, parameters=20)
+
+
+def test_a_field_made_invalid_is_named_before_the_checksum(tmp_path: Path) -> None:
+    path = _saved(tmp_path)
+    path.write_text(path.read_text().replace('"batch_size": 12', '"batch_size": "twelve"'))
+    with pytest.raises(ConfigError, match="field batch_size"):
+        Plan.load(path)

@@ -349,8 +349,9 @@ class Plan:
         try:
             text = read_plan_file(os.fspath(path)).decode("utf-8")
             data = json.loads(text)
+            plan = cls.from_dict(data)  # a wrong field is named first; a valid one changed fails the sum
             check_checksum(data)
-            return cls.from_dict(data)
+            return plan
         except (UnicodeDecodeError, ValueError, RecursionError) as error:
             if isinstance(error, ConfigError):
                 raise ConfigError(f"plan {os.fspath(path)!r} {error}") from error
