@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import faults  # benchmarks/faults.py
+from _faults_clear import clear_cases
 from _faults_runs import _lines, _popen_train, _wait_for
 from faults import TINY, Case, Ran, judged, python, snippet_outcome, train
 
@@ -272,8 +273,21 @@ def signal_cases(work: str, cases: list[Case]) -> None:
     _case(cases, "stash of a kill -9'd process", "removed by the next run", lambda: _stale_stash(work))
 
 
-def _torchrun_kill(work: str, name: str, extra: tuple[str, ...], restarts: int) -> tuple[str, str]:
-    out = os.path.join(work, name)
+def _torchrun_kill(
+    work: str, name: str, extra: tuple[str, ...], restarts: int, *, named: bool = True
+) -> tuple[str, str]:
+    """Rank 1 killed mid-run; ``named=False``: no --out, the run in runs/MODEL-DATE-TIME under a
+    folder of its own (the restarted ranks must find it by their launch's id)."""
+    home = os.path.join(work, name)
+    if not named:
+        os.makedirs(home)
+
+    def out() -> str:
+        if named:
+            return home
+        made = sorted(Path(home, "runs").iterdir()) if Path(home, "runs").is_dir() else []
+        return str(made[0]) if len(made) == 1 else os.path.join(home, "runs", f"{len(made)} folders")
+
     command = [
         sys.executable,
         "-m",
@@ -295,8 +309,7 @@ def _torchrun_kill(work: str, name: str, extra: tuple[str, ...], restarts: int) 
         "10",
         "--checkpoint-interval",
         "3",
-        "--out",
-        out,
+        *(("--out", home) if named else ()),
         *extra,
     ]
     launch = subprocess.Popen(
@@ -305,9 +318,9 @@ def _torchrun_kill(work: str, name: str, extra: tuple[str, ...], restarts: int) 
         stderr=subprocess.PIPE,
         text=True,
         env=faults.environment(),
-        cwd=str(faults.ROOT),
+        cwd=str(faults.ROOT) if named else home,
     )
-    _wait_for(lambda: _lines(out) >= 4, launch, 300)
+    _wait_for(lambda: _lines(out()) >= 4, launch, 300)
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
@@ -322,28 +335,31 @@ def _torchrun_kill(work: str, name: str, extra: tuple[str, ...], restarts: int) 
     if restarts == 0:
         ok = "rank 1 stopped" in err and "resume with" in err
         return ("clear error", "rank 1 stopped; resume with ...") if ok else ("unclear", err[-140:])
-    if launch.returncode != 0 or _steps(out) != list(range(1, 11)):
-        return "data lost", f"exit {launch.returncode}; steps {_steps(out)}"
+    if launch.returncode != 0 or _steps(out()) != list(range(1, 11)):
+        return "data lost", f"exit {launch.returncode}; steps {_steps(out())} in {out()}"
     return "ok", "completed by itself from the last checkpoint"
 
 
 def torchrun_cases(work: str, cases: list[Case]) -> None:
-    for name, extra, restarts in (
-        ("torchrun --max-restarts 1, rank 1 killed (DDP)", (), 1),
-        ("torchrun --max-restarts 1, rank 1 killed (pipeline 2)", ("--pipeline", "2"), 1),
-        ("torchrun, rank 1 killed, no restarts (DDP)", (), 0),
+    for name, extra, restarts, named in (
+        ("torchrun --max-restarts 1, rank 1 killed (DDP)", (), 1, True),
+        ("torchrun --max-restarts 1, rank 1 killed (pipeline 2)", ("--pipeline", "2"), 1, True),
+        ("torchrun, rank 1 killed, no restarts (DDP)", (), 0, True),
+        ("torchrun --max-restarts 1, rank 1 killed, no --out (DDP)", (), 1, False),
     ):
         tag = name.replace(" ", "-").replace(",", "").replace("(", "").replace(")", "")
         _case(
             cases,
             name,
             "completes / names the dead rank",
-            lambda tag=tag, extra=extra, restarts=restarts: _torchrun_kill(work, tag, extra, restarts),
+            lambda tag=tag, extra=extra, restarts=restarts, named=named: _torchrun_kill(
+                work, tag, extra, restarts, named=named
+            ),
         )
 
 
 def edge_cases(work: str) -> list[Case]:
     cases: list[Case] = []
-    for group in (writer_cases, output_cases, state_cases, signal_cases, torchrun_cases):
+    for group in (writer_cases, output_cases, state_cases, signal_cases, torchrun_cases, clear_cases):
         group(work, cases)
     return cases

@@ -302,7 +302,7 @@ def test_verify_recognises_the_token_mean_and_says_how_it_is_fixed() -> None:
     assert report.equivalent, str(report)
     assert report.naive_max_rel_diff > 1e-2
     (counts,) = [d for d in report.diagnostics if d.kind == "item-counts"]
-    assert "items=" in counts.message and "not samples" in counts.message
+    assert "(loss, items)" in counts.message and "not samples" in counts.message
     assert counts.details["items"] == list(report.items)
 
 

@@ -6,6 +6,7 @@ import itertools
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -129,3 +130,21 @@ def test_vectorised_and_scalar_dp_agree(window: tuple[list[int], int]) -> None:
     finally:
         tokens._SCALAR_ROWS = original
     assert vectorised == scalar
+
+
+@pytest.mark.parametrize("max_tokens", [10**17, 2**62, 10**30])
+def test_a_huge_max_tokens_splits_like_an_unbounded_one(max_tokens: int) -> None:
+    # Issue 35: 10**17 overflowed the DP's int64 keys (a raw OverflowError, or a wrong count
+    # silently, 2 micro-batches for 100 samples of 5 tokens). No run holds more than all samples.
+    lengths = [int(n) for n in torch.randint(1, 50, (300,), generator=torch.Generator().manual_seed(0))]
+    groups = mb.split_by_tokens(lengths, max_tokens)
+    assert groups == [list(range(len(lengths)))]
+    assert mb.split_by_tokens([5] * 100, max_tokens) == [list(range(100))]
+    tight = mb.split_by_tokens(lengths, 200)  # a binding budget is unchanged by the clamp
+    assert all(len(g) * max(lengths[i] for i in g) <= 200 for g in tight)
+    assert sorted(i for g in tight for i in g) == list(range(len(lengths)))
+
+
+def test_lengths_beyond_int64_counting_are_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match=r"lengths: 100 samples of up to .* check the lengths"):
+        mb.split_by_tokens([2**60] * 100, 2**62)

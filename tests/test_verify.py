@@ -205,7 +205,11 @@ def test_token_mean_loss_exact_with_items_and_recipe_gap_reported() -> None:
     assert report.naive_max_rel_diff > 1e-2
     assert list(report.items) == [int((m["labels"] != -100).sum()) for m in micro]
     (diagnostic,) = [d for d in report.diagnostics if d.kind == "item-counts"]
-    assert diagnostic.severity == "info" and "items=" in diagnostic.message and "tokens" in diagnostic.message
+    assert diagnostic.severity == "info" and "tokens" in diagnostic.message
+    # verify was given a workload: the advice is in its terms (what the loss returns), never a call to
+    # Accumulator.backward the user does not make (issue 35)
+    assert "loss(model, batch) -> (loss, items)" in diagnostic.message
+    assert "backward(" not in diagnostic.message
     assert report.accumulated_loss == pytest.approx(report.full_loss, rel=1e-12)
 
 
@@ -236,6 +240,8 @@ def test_loss_that_miscounts_its_items_is_recognised(capsys) -> None:
     )
     assert diagnostic["details"]["matches"][0] == "entries != -100 of batch['labels']"
     assert "labels != -100" in diagnostic["message"]
+    assert "loss(model, batch) -> (loss, count)" in diagnostic["message"]
+    assert all("backward(" not in d["message"] for d in report["diagnostics"])
 
 
 def test_summed_loss_is_recognised() -> None:

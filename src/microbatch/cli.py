@@ -25,7 +25,8 @@ import torch
 
 from . import __version__, distributed
 from .commands import quiet
-from .errors import MicrobatchError
+from .commands.host_memory import host_memory_line, host_out_of_memory
+from .errors import MicrobatchError, planning_notes
 
 # name -> one-line help; the module is microbatch.commands.<name>
 COMMANDS: dict[str, str] = {
@@ -139,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"microbatch {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as error:
+        if host_out_of_memory(error):
+            line = host_memory_line(args.command, error, args)
+            print(f"microbatch {args.command}: error: {line}", file=sys.stderr)
+            return 2
         where = user_code_frame(error.__traceback__)
         if where is None and isinstance(error, OSError) and error.errno in _ENVIRONMENT_ERRNOS:
             # The machine, not the code: a full disk or TMPDIR, a read-only folder, a quota.
@@ -155,9 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verbose:
             traceback.print_exception(error, file=sys.stderr)
         hint = "" if args.verbose else " (run `microbatch --verbose ...` for the traceback)"
+        during = "".join(f" ({note})" for note in planning_notes(error))
         print(
             f"microbatch {args.command}: error in your code: {where} raised "
-            f"{type(error).__name__}: {_one_line(error)}{hint}",
+            f"{type(error).__name__}: {_one_line(error)}{during}{hint}",
             file=sys.stderr,
         )
         return 2

@@ -63,3 +63,14 @@ class ResumeError(MicrobatchError, RuntimeError):
 
 class TrainingError(MicrobatchError, RuntimeError):
     """A training run cannot go on: every step is skipped, or its checkpoint cannot be written."""
+
+
+# A note microbatch adds to the user's own error (profile/user_calls.py), and how to read them back.
+PLANNING_NOTE_PREFIX = "microbatch: "
+
+
+def planning_notes(error: BaseException) -> list[str]:
+    """The notes microbatch added to ``error`` (what it was doing when the user's code raised it)."""
+    notes = getattr(error, "__notes__", None) or []
+    size = len(PLANNING_NOTE_PREFIX)
+    return [n[size:] for n in notes if isinstance(n, str) and n.startswith(PLANNING_NOTE_PREFIX)]

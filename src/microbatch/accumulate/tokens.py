@@ -97,7 +97,7 @@ def split_by_tokens(
     # Longest first; equal lengths in index order, so the result depends only on the input.
     order = sorted(range(len(values)), key=lambda i: (-values[i], i))
     sorted_lengths = [values[i] for i in order]
-    runs = _fewest_padded_runs(sorted_lengths, max_tokens)
+    runs = _fewest_padded_runs(sorted_lengths, _search_limit(sorted_lengths, max_tokens))
     if micro_batches is not None:
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int):
             raise ConfigError(f"micro_batches must be an int or None, got {micro_batches!r}")
@@ -108,6 +108,20 @@ def split_by_tokens(
             )
         runs = _split_to_count(runs, sorted_lengths, micro_batches)
     return [sorted(order[i] for i in range(start, end)) for start, end in runs]
+
+
+def _search_limit(sorted_lengths: list[int], max_tokens: int) -> int:
+    """``max_tokens`` for the DP, within int64: no run holds more than n x longest padded tokens, so a
+    larger budget (max_tokens=10**17) splits alike as that; the DP's keys reach about n^2 of it."""
+    n = len(sorted_lengths)
+    limit = min(max_tokens, n * sorted_lengths[0])
+    if (n + 1) * (n * limit + 1) >= 2**63:
+        raise ConfigError(
+            f"lengths: {n} samples of up to {sorted_lengths[0]:,} tokens (max_tokens={max_tokens:,}) are "
+            f"beyond what split_by_tokens counts (padded tokens up to 2**63 / {n + 1}**2); check the "
+            "lengths (token counts, not bytes), or split fewer samples per call"
+        )
+    return limit
 
 
 def _fewest_padded_runs(sorted_lengths: list[int], max_tokens: int) -> list[tuple[int, int]]:

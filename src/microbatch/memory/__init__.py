@@ -14,7 +14,7 @@ from __future__ import annotations
 from .budget import BYTES_RULE, device_free_bytes, device_memory_bytes, fraction_base_bytes, parse_bytes
 from .device_specs import DeviceSpec, device_spec, devices
 from .tracker import CATEGORIES, MemoryTracker
-from .units import format_bytes
+from .units import format_bytes, format_bytes_at_least
 
 __all__ = [
     "BYTES_RULE",
@@ -26,6 +26,7 @@ __all__ = [
     "device_spec",
     "devices",
     "format_bytes",
+    "format_bytes_at_least",
     "fraction_base_bytes",
     "parse_bytes",
 ]

@@ -63,7 +63,7 @@ from .refusals import (
 from .result.plans import Plan, summarize_policies
 from .search.rules import SplitRules, even_batch, only_policies, profile_with_rules
 from .search.sizes import Candidate, SearchResult, search
-from .target.reserve import outside_the_model, with_reserve
+from .target.reserve import outside_the_model
 from .target.sharding import rank_profile, with_wide_gradients
 from .target.simulated import profile_for, resolve_target, target_budget
 
@@ -380,15 +380,16 @@ def _search_and_prove(setup: Setup, request: PlanRequest) -> tuple[Candidate, Se
                 chosen, trials.count >= request.options.max_trials, result, budget, trials.tried, setup.notes
             )
         if chosen is None:
-            error = no_plan_error(
+            raise no_plan_error(
                 setup.profile,
                 result,
                 setup.model_budget_bytes,
                 trials.count,
                 setup.notes,
                 setup.per_rank_batch,
+                setup.reserve,
+                out_of_memory=trials.out_of_memory,
             )
-            raise with_reserve(error, setup.reserve)
         if not trial or _prove(setup, request, trials, chosen, result, margin_free=margin_free):
             return chosen, result, trials
 
@@ -404,9 +405,8 @@ def _prove(
 ) -> bool:
     """One trial of ``chosen``: True when its measured peak fits; else what it taught goes into ``trials``."""
     notes = setup.notes
-    refuse_after_max_trials(
-        chosen, result, trials.count, request.options.max_trials, setup.budget_bytes, notes
-    )
+    budget, reserve = setup.model_budget_bytes, setup.reserve
+    refuse_after_max_trials(chosen, result, trials.count, request.options.max_trials, budget, notes, reserve)
     trials.count += 1
     trials.tried.add(candidate_key(chosen))
     policies = summarize_policies(chosen.block_policies)

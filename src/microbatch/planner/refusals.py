@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..errors import ConfigError, InfeasibleBudgetError, MicrobatchError, WorkloadError
-from ..memory import format_bytes
+from ..memory import format_bytes, format_bytes_at_least
 from ..memory.optimizer_state import optimizer_state_bytes
 from ..profile import Profile
 from ..trees.batches import batch_size_of, tensor_bytes
@@ -15,24 +15,60 @@ from ..workload import Workload
 from .result.plans import summarize_policies
 from .search.sizes import Candidate, SearchResult
 from .search.splits import MAX_STEPS_PER_WINDOW
-from .target.reserve import BudgetReserve, with_reserve
+from .target.reserve import BudgetReserve
 
 
-def static_message(profile: Profile, budget_bytes: int) -> str | None:
+def _outside(reserve: BudgetReserve | None) -> tuple[tuple[str, int], ...]:
+    return reserve.parts if reserve is not None else ()
+
+
+def _budget_words(model_budget_bytes: int, reserve: BudgetReserve | None) -> str:
+    """The budget as the user gave it (the model's share plus what lives outside the model)."""
+    outside = _outside(reserve)
+    words = f"memory={format_bytes(model_budget_bytes + sum(v for _, v in outside))}"
+    if outside:
+        words += f" ({' + '.join(f'{n} {format_bytes(v)}' for n, v in outside)} of it outside the model)"
+    return words
+
+
+def _terms(parts: dict[str, int], reserve: BudgetReserve | None) -> str:
+    named = (*_outside(reserve), *parts.items())
+    return " + ".join(f"{name} {format_bytes(value)}" for name, value in named if value)
+
+
+def refusal(
+    message: str,
+    model_minimum_bytes: int,
+    parts: dict[str, int],
+    reserve: BudgetReserve | None,
+    *,
+    lower_bound: bool = False,
+) -> InfeasibleBudgetError:
+    """The error for a budget refused: its one minimum is stated like the budget (the reserve added)."""
+    outside = _outside(reserve)
+    return InfeasibleBudgetError(
+        message,
+        minimum_bytes=model_minimum_bytes + sum(v for _, v in outside),
+        parts={**dict(outside), **parts},
+        minimum_is_lower_bound=lower_bound,
+    )
+
+
+def static_message(profile: Profile, budget_bytes: int, reserve: BudgetReserve | None = None) -> str | None:
+    """When the static memory (plus the step's own peak) alone exceeds the budget, the words for it."""
     parts = profile.static_parts()
     total = sum(parts.values())
     if total + profile.step_peak_bytes <= budget_bytes:
         return None
-    terms = " + ".join(f"{name} {format_bytes(value)}" for name, value in parts.items() if value)
     exceed = (
         "already exceed"
         if total > budget_bytes
         else (f"plus the {profile.step_peak_name} {format_bytes(profile.step_peak_bytes)} exceed")
     )
+    outside = sum(v for _, v in _outside(reserve))
     return (
-        f"{terms} = {format_bytes(total)} {exceed} the budget memory={format_bytes(budget_bytes)}; "
-        "no micro-batch size or checkpointing can fit. Raise memory, or shrink the model or its "
-        "optimizer state (a stateless or 8-bit optimizer, FSDP across more ranks)"
+        f"{_terms(parts, reserve)} = {format_bytes(total + outside)} {exceed} the budget "
+        f"{_budget_words(budget_bytes, reserve)}; no micro-batch size or checkpointing can fit"
     )
 
 
@@ -43,8 +79,9 @@ def refuse_budget_below_weights(
 
     The optimizer state is counted without allocating it (optimizer_state.optimizer_state_bytes:
     one dry step on the meta device, or the optimizer's known factor). The sum is a lower bound of
-    every plan's peak (activations, the batch and temporaries come on top), and the error says so.
-    ``shards``: FSDP ranks sharing them.
+    every plan's peak (activations, the batch and temporaries come on top, unmeasured: nothing
+    runs), and the error says so. ``budget_bytes``: the model's share of the budget (less
+    ``reserve``). ``shards``: FSDP ranks sharing them.
     """
     parameters = list(workload.model.parameters())
     parameter_bytes = sum(p.numel() * p.element_size() for p in parameters) // shards
@@ -58,18 +95,21 @@ def refuse_budget_below_weights(
     }
     del optimizer
     total = sum(parts.values())
-    if total > budget_bytes:
-        terms = " + ".join(f"{name} {format_bytes(value)}" for name, value in parts.items() if value)
-        error = InfeasibleBudgetError(
-            f"{terms} = {format_bytes(total)} already exceed the budget memory={format_bytes(budget_bytes)}, "
-            "before any activation; no micro-batch size or checkpointing can fit. Raise memory to more than "
-            f"{format_bytes(total)} (at least; activations come on top), or shrink the model or its "
-            "optimizer state (a stateless or 8-bit optimizer, FSDP across more ranks, frozen parameters)",
-            minimum_bytes=total,
-            parts=parts,
-            minimum_is_lower_bound=True,
-        )
-        raise with_reserve(error, reserve) if reserve is not None else error
+    if total <= budget_bytes:
+        return
+    least = format_bytes_at_least(total + sum(v for _, v in _outside(reserve)))
+    raise refusal(
+        f"{_terms(parts, reserve)} = {least} already exceed the budget "
+        f"{_budget_words(budget_bytes, reserve)}, "
+        f"before any activation; no micro-batch size or checkpointing can fit. Every plan needs at least "
+        f"{least} plus its activations, which are not measured: refused before profiling, so the exact "
+        f"minimum is named only by planning with memory above {least}. Or shrink the model or its "
+        "optimizer state (a stateless or 8-bit optimizer, FSDP across more ranks, frozen parameters)",
+        total,
+        parts,
+        reserve,
+        lower_bound=True,
+    )
 
 
 def check_make_batch(workload: Workload, per_rank_batch: int) -> int:
@@ -93,35 +133,48 @@ def check_make_batch(workload: Workload, per_rank_batch: int) -> int:
     return sample_bytes
 
 
-def refuse_window_too_long(per_rank_batch: int, budget_bytes: int, result: SearchResult) -> None:
+def refuse_window_too_long(
+    per_rank_batch: int, budget_bytes: int, result: SearchResult, reserve: BudgetReserve | None = None
+) -> None:
     """A batch that needs more micro-batches per step than a window may have: a clear refusal."""
     least = -(-per_rank_batch // MAX_STEPS_PER_WINDOW)
     if least <= 1 or result.best is not None:
         return
-    raise InfeasibleBudgetError(
+    minimum = result.minimum
+    outside = sum(v for _, v in _outside(reserve))
+    raise refusal(
         f"batch of {per_rank_batch:,} samples per rank: within {MAX_STEPS_PER_WINDOW:,} micro-batches per "
         f"optimizer step a micro-batch must hold at least {least:,} samples, and none that large fits "
-        f"memory={format_bytes(budget_bytes)} (the smallest such plan needs "
-        f"{format_bytes(result.minimum.peak_bytes)}); lower the batch, or raise memory",
-        minimum_bytes=result.minimum.peak_bytes,
-        parts=dict(result.minimum.parts),
+        f"{_budget_words(budget_bytes, reserve)} (the smallest such plan needs "
+        f"{format_bytes_at_least(minimum.peak_bytes + outside)}); lower the batch, or raise memory",
+        minimum.peak_bytes,
+        dict(minimum.parts),
+        reserve,
     )
 
 
-def infeasible_error(profile: Profile, result: SearchResult, budget_bytes: int) -> InfeasibleBudgetError:
-    """The error for a budget below every plan, saying the minimum and what it is made of."""
+def _smallest(minimum: Candidate) -> str:
+    return (
+        f"micro-batch {minimum.micro_batch_size} x {minimum.steps} steps with "
+        f"{summarize_policies(minimum.block_policies)}"
+    )
+
+
+def infeasible_error(
+    profile: Profile, result: SearchResult, budget_bytes: int, reserve: BudgetReserve | None = None
+) -> InfeasibleBudgetError:
+    """The error for a budget below every plan, naming one minimum: the smallest plan's peak as the
+    search predicts it (with the safety margin, which covers the model's error in a trial), and its parts."""
     minimum = result.minimum
-    message = static_message(profile, budget_bytes)
-    if message is None:
-        terms = " + ".join(f"{name} {format_bytes(value)}" for name, value in minimum.parts if value)
-        message = (
-            f"no plan fits memory={format_bytes(budget_bytes)}: the smallest, micro-batch "
-            f"{minimum.micro_batch_size} x {minimum.steps} steps with "
-            f"{summarize_policies(minimum.block_policies)}, "
-            f"needs {format_bytes(minimum.peak_bytes)} = {terms}. Raise memory to at least "
-            f"{format_bytes(minimum.peak_bytes)}"
-        )
-    return InfeasibleBudgetError(message, minimum_bytes=minimum.peak_bytes, parts=dict(minimum.parts))
+    need = format_bytes_at_least(minimum.peak_bytes + sum(v for _, v in _outside(reserve)))
+    static = static_message(profile, budget_bytes, reserve)
+    budget = _budget_words(budget_bytes, reserve)
+    lead = f"{static}. The smallest plan" if static else f"no plan fits {budget}: the smallest"
+    message = (
+        f"{lead}, {_smallest(minimum)}, needs {need} = {_terms(dict(minimum.parts), reserve)}. "
+        f"Raise memory to at least {need}"
+    )
+    return refusal(message, minimum.peak_bytes, dict(minimum.parts), reserve)
 
 
 def candidate_key(candidate: Candidate) -> tuple[object, ...]:
@@ -129,15 +182,23 @@ def candidate_key(candidate: Candidate) -> tuple[object, ...]:
 
 
 def refuse_after_max_trials(
-    chosen: Candidate, result: SearchResult, trials: int, max_trials: int, budget_bytes: int, notes: list[str]
+    chosen: Candidate,
+    result: SearchResult,
+    trials: int,
+    max_trials: int,
+    budget_bytes: int,
+    notes: list[str],
+    reserve: BudgetReserve | None = None,
 ) -> None:
-    """After ``max_trials`` trials only the smallest plan (the last resort) may still be tried."""
+    """After ``max_trials`` trials only the smallest plan (the last resort) may still be tried.
+    ``budget_bytes``: the model's share of the budget."""
     if trials >= max_trials and candidate_key(chosen) != candidate_key(result.minimum):
-        raise InfeasibleBudgetError(
-            f"no plan proved to fit memory={format_bytes(budget_bytes)} in {max_trials} trials: "
-            + "; ".join(notes[-trials:]),
-            minimum_bytes=result.minimum.peak_bytes,
-            parts=dict(result.minimum.parts),
+        raise refusal(
+            f"no plan proved to fit {_budget_words(budget_bytes, reserve)} in {max_trials} trials "
+            f"(raise max_trials, or memory): " + "; ".join(notes[-trials:]),
+            result.minimum.peak_bytes,
+            dict(result.minimum.parts),
+            reserve,
         )
 
 
@@ -148,20 +209,31 @@ def no_plan_error(
     trials: int,
     notes: Sequence[str],
     per_rank_batch: int,
+    reserve: BudgetReserve | None = None,
+    *,
+    out_of_memory: bool = False,
 ) -> InfeasibleBudgetError:
-    refuse_window_too_long(per_rank_batch, budget_bytes, result)
+    """No plan left: before any trial, the smallest plan's prediction; after trials, that prediction
+    corrected by what the trials measured (a lower bound when a trial ran out of memory: the failed
+    plan's real peak is unknown)."""
+    refuse_window_too_long(per_rank_batch, budget_bytes, result, reserve)
     if trials == 0:
-        return infeasible_error(profile, result, budget_bytes)
-    return InfeasibleBudgetError(
-        f"no plan fits memory={format_bytes(budget_bytes)} after {trials} trial(s): "
-        + "; ".join(notes[-trials:])
-        + f". The smallest plan (micro-batch {result.minimum.micro_batch_size} with "
-        f"{summarize_policies(result.minimum.block_policies)}) was tried or predicts more than the budget; "
-        f"it needs at least {format_bytes(result.minimum.peak_bytes)} as predicted, more where a trial ran "
-        "out of memory: raise memory, or free the device",
-        minimum_bytes=result.minimum.peak_bytes,
-        parts=dict(result.minimum.parts),
-        minimum_is_lower_bound=True,
+        return infeasible_error(profile, result, budget_bytes, reserve)
+    minimum = result.minimum
+    need = format_bytes_at_least(minimum.peak_bytes + sum(v for _, v in _outside(reserve)))
+    why = (
+        f"at least {need} (a trial ran out of memory before its peak, so its real need is unknown): raise "
+        "memory above it, or free the device"
+        if out_of_memory
+        else f"{need} (predicted, corrected by the trials' measurements): raise memory to at least {need}"
+    )
+    return refusal(
+        f"no plan fits {_budget_words(budget_bytes, reserve)} after {trials} trial(s). The smallest plan, "
+        f"{_smallest(minimum)}, needs {why}. Trials: " + "; ".join(notes[-trials:]),
+        minimum.peak_bytes,
+        dict(minimum.parts),
+        reserve,
+        lower_bound=out_of_memory,
     )
 
 

@@ -291,6 +291,7 @@ class _Session:
                 track=track,
                 optimizer=self.optimizer,
                 clock=self.clock,
+                phase=f"{'memory' if track else 'time'}, checkpoint policy {policy}",
             ),
             device,
         )

@@ -24,6 +24,7 @@ from ..trees.batches import move_batch
 from ..workload import Workload
 from . import reserved, stash
 from .timeline import BEFORE, END, END_FORWARD, Recorder, Run, split
+from .user_calls import noted_user_call
 
 # Timed repeats of the optimizer step (the median is used).
 STEP_REPEATS = 3
@@ -51,6 +52,7 @@ def micro_batch_run(
     track: bool,
     optimizer: torch.optim.Optimizer,
     clock: Callable[[], float] = time.perf_counter,
+    phase: str = "memory and time",
 ) -> Run:
     """One forward and backward of a fresh batch of ``size``, cut into segments.
 
@@ -60,7 +62,9 @@ def micro_batch_run(
     more than a window spends on it (gpt-mini on CPU: 64 micro-batches of 1 over-predicted ~6 %).
     """
     model = workload.model
-    batch = workload.make_batch(size)
+    doing = f"mb.plan profiled a micro-batch of {size} samples ({phase})"
+    with noted_user_call(workload.name, f"make_batch({size})", doing):
+        batch = workload.make_batch(size)
     accumulator = Accumulator(model, optimizer, steps=2)
     cuda = device.type == "cuda"  # record the allocations to replay them (profile/reserved.py)
     tracker = (
@@ -74,10 +78,12 @@ def micro_batch_run(
         with tracker if tracker is not None else contextlib.nullcontext():
             recorder.mark(BEFORE)
             batch = move_batch(batch, device)
-            loss, items = workload.loss(model, batch)
+            with noted_user_call(workload.name, "loss(model, batch) (the forward)", doing):
+                loss, items = workload.loss(model, batch)
             recorder.mark(END_FORWARD)
             recorder.in_backward = True
-            accumulator.backward(loss, items=items)
+            with noted_user_call(workload.name, "the backward of loss(model, batch)", doing):
+                accumulator.backward(loss, items=items)
             recorder.mark(END)
             del loss, batch
     finally:
@@ -94,8 +100,10 @@ def micro_batch_run(
 
 def _one_window(workload: Workload, accumulator: Accumulator, size: int, device: torch.device) -> None:
     """The backward of one micro-batch of ``size``: the gradients a step then works on."""
-    loss, items = workload.loss(workload.model, move_batch(workload.make_batch(size), device))
-    accumulator.backward(loss, items=items)
+    doing = f"mb.plan measured the optimizer step after a micro-batch of {size} samples"
+    with noted_user_call(workload.name, f"make_batch({size}) or loss(model, batch)", doing):
+        loss, items = workload.loss(workload.model, move_batch(workload.make_batch(size), device))
+        accumulator.backward(loss, items=items)
     del loss
 
 
@@ -105,6 +113,7 @@ def train_window(
     micro_batches: Iterable[Any],
     *,
     count: Callable[[Any], Any] = lambda items: items,
+    doing_what: str = "mb.plan ran its trial window",
 ) -> None:
     """One window of the workload through ``accumulator``: backward per micro-batch, step at its end.
 
@@ -113,8 +122,10 @@ def train_window(
     """
     model = workload.model
     for micro in accumulator.iterate(micro_batches):
-        loss, items = workload.loss(model, micro.batch)
-        accumulator.backward(loss, items=count(items))
+        doing = f"{doing_what} (micro-batch {micro.index + 1} of the window)"
+        with noted_user_call(workload.name, "loss(model, batch) or its backward", doing):
+            loss, items = workload.loss(model, micro.batch)
+            accumulator.backward(loss, items=count(items))
         del loss
         if micro.is_last:
             accumulator.step()

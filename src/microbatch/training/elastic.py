@@ -2,7 +2,8 @@
 
 Under ``torchrun --max-restarts N``, when a rank dies the agent stops the others and starts every
 rank again with the same command, ``TORCHELASTIC_RESTART_COUNT`` raised by one. A restarted rank
-of a new run (``--out runs/NAME``) finds that folder's checkpoint and resumes from it by itself
+of a new run (``--out runs/NAME``, or the runs/MODEL-DATE-TIME folder this launch made: its
+marker holds TORCHELASTIC_RUN_ID) finds that folder's checkpoint and resumes from it by itself
 (``restarted_config``): the windows after the checkpoint run again, bitwise as before.
 
 A rank whose peer died sees a collective fail (gloo: "Connection reset by peer", NCCL: a timeout
@@ -24,8 +25,10 @@ import torch
 
 from .. import distributed
 from ..distributed import decided_on_rank_zero
-from ..errors import TrainingError
+from ..errors import ResumeError, TrainingError
 from .config import TrainConfig
+from .ownership import ELASTIC_RUN_ID, read_marker
+from .run_folder import CHECKPOINT_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +42,32 @@ def restart_count() -> int:
     return 0
 
 
+def launch_run_dir(root: str = "runs") -> str | None:
+    """The folder under ``root`` that this torchrun launch made (its marker holds the launch's
+    TORCHELASTIC_RUN_ID) and that holds a checkpoint; the latest such, or None."""
+    launch = os.environ.get(ELASTIC_RUN_ID)
+    found: list[tuple[float, str]] = []
+    if not launch or not os.path.isdir(root):
+        return None
+    for name in os.listdir(root):
+        folder = os.path.join(root, name)
+        checkpoint = os.path.join(folder, CHECKPOINT_FILE)
+        with contextlib.suppress(OSError, ResumeError):
+            marker = read_marker(folder) if os.path.isfile(checkpoint) else None
+            if marker is not None and marker.get(ELASTIC_RUN_ID) == launch:
+                found.append((os.path.getmtime(checkpoint), folder))
+    return max(found)[1] if found else None
+
+
 def restarted_config(config: TrainConfig) -> TrainConfig:
     """``config`` as a resume of its run folder when torchrun restarted this new run's ranks and
-    the folder holds a checkpoint; ``config`` unchanged otherwise."""
-    if config.resume or not config.out or restart_count() == 0:
+    the folder holds a checkpoint; ``config`` unchanged otherwise. Without ``--out`` the folder is
+    the one this launch made under runs/ (launch_run_dir)."""
+    if config.resume or restart_count() == 0:
         return config
+    if not config.out:
+        made = decided_on_rank_zero(launch_run_dir, what="finding the run this launch made")
+        return config if made is None else restarted_config(replace(config, out=made))
     out = config.out
     found = decided_on_rank_zero(
         lambda: os.path.isfile(os.path.join(out, "checkpoint.pt")), what="finding the run to resume"

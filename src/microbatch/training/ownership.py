@@ -34,6 +34,7 @@ from .pinned import PinnedFolder, open_no_follow
 logger = logging.getLogger(__name__)
 
 MARKER_FILE = ".microbatch-run.json"
+ELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"  # torchrun's id of one launch, the same across its restarts
 LOCK_FILE = ".microbatch.lock"
 RUN_FOLDER_FORMAT = "microbatch-run-folder"
 RUN_FOLDER_VERSION = 1
@@ -87,6 +88,8 @@ def write_marker(folder: PinnedFolder) -> None:
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "pid": os.getpid(),
     }
+    if os.environ.get(ELASTIC_RUN_ID):  # torchrun's launch: its restarted ranks find this folder by it
+        marker[ELASTIC_RUN_ID] = os.environ[ELASTIC_RUN_ID]
     descriptor = folder.open(MARKER_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     with os.fdopen(descriptor, "w") as file:
         json.dump(marker, file)

@@ -129,14 +129,21 @@ def _items_mismatch(weights: list[float], items: list[int], micro: list[Any], re
             if max(abs(a - b) for a, b in zip(weights, shares, strict=True)) < 1e-3 * max(shares):
                 matches.append(label)
         if matches and matches[0] == "samples":
-            message += " They follow the sample counts: return items=batch size."
+            message += (
+                " They follow the sample counts: have the workload's loss return the batch size as its "
+                "items (loss(model, batch) -> (loss, batch size))."
+            )
         elif matches:
             message += (
-                f" They follow the {matches[0]}: the loss averages over those, so return that count as "
-                "items (for labels: (labels != -100).sum()) and microbatch weighs each micro-batch by it."
+                f" They follow the {matches[0]}: the loss averages over those, so have the workload's loss "
+                "return that count as its items (loss(model, batch) -> (loss, count); for labels: "
+                "(labels != -100).sum()) and microbatch weighs each micro-batch by it."
             )
         else:
-            message += " Return as items the count the loss averages over (tokens that are not padding, ...)."
+            message += (
+                " Have the workload's loss return as its items the count it averages over (tokens that "
+                "are not padding, ...): loss(model, batch) -> (loss, count)."
+            )
     return Diagnostic(
         "items-mismatch",
         "warning",
@@ -155,8 +162,9 @@ def _item_counts(items: list[int], sizes: list[int], rel: float, naive_rel: floa
             f"the loss averages over different counts per micro-batch ({unit}: {min(items)} to "
             f"{max(items)}, {sum(items)} in all). Dividing each micro-batch's mean loss by the number of "
             f"micro-batches (the usual recipe) weighs them equally: the gradient is off by {naive_rel:.2e} "
-            "relative. microbatch weighs each micro-batch by its count (acc.backward(loss, items=n)) and "
-            f"divides once by the window total: off by {rel:.2e}, {fixed}."
+            "relative. microbatch weighs each micro-batch by the count the workload's loss returns with "
+            f"it (loss(model, batch) -> (loss, items)) and divides once by the window total: off by "
+            f"{rel:.2e}, {fixed}."
         ),
         {"items": items, "naive_max_rel_diff": naive_rel, "max_rel_diff": rel},
     )

@@ -39,7 +39,9 @@ def search_with_levers(
 def lever_lines(setup: Setup, request: PlanRequest, minimum_bytes: int) -> list[str]:
     """What would fit, with the bytes each saves: exact levers first, then those that change training."""
     profile, budget = setup.profile, setup.model_budget_bytes
-    over = max(0, minimum_bytes - budget)
+    # minimum_bytes is stated like the budget (refusals.refusal: the reserve outside the model added)
+    over = max(0, minimum_bytes - setup.budget_bytes)
+    minimum_bytes -= setup.reserve.total_bytes
     static = profile.parameter_bytes + profile.gradient_bytes + profile.optimizer_bytes
     exact = []
     if setup.head_chunk_tokens is None and request.options.head != ():

@@ -17,6 +17,7 @@ from ...memory.oom import free_memory
 from ...profile import NONE, preserved_state
 from ...profile.runs import train_window
 from ...profile.stash import optimizer_instance
+from ...profile.user_calls import noted_user_call
 from ...trees.batches import move_batch
 from ...workload import Workload
 from ..result.applying import inner_model
@@ -59,7 +60,10 @@ def run_trial(
         recomputes = any(p != NONE for p in policies.values())
         handle = checkpoint(inner_model(model), policy=policies) if recomputes else None
         try:
-            batches = [workload.make_batch(size) for size in trial_sizes(candidate.micro_batch_sizes)]
+            what = f"mb.plan tried micro-batch {candidate.micro_batch_size} x {candidate.steps} in a window"
+            sizes = trial_sizes(candidate.micro_batch_sizes)
+            with noted_user_call(workload.name, f"make_batch of {sizes}", what):
+                batches = [workload.make_batch(size) for size in sizes]
 
             def loader() -> Iterator[object]:
                 # Each micro-batch reaches the device when its turn comes and is dropped after it.
@@ -78,7 +82,7 @@ def run_trial(
             )
             accumulator._warned_batchnorm = True  # the trial's cut window; the plan's note covers BatchNorm
             with MemoryTracker(device, model=model, optimizer=optimizer) as tracker:
-                train_window(workload, accumulator, loader())
+                train_window(workload, accumulator, loader(), doing_what=what)
         finally:
             if handle is not None:
                 handle.remove()

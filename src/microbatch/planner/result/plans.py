@@ -28,7 +28,7 @@ from . import applying
 from .applying import inner_model
 from .checks import check_plan_data, read_plan_file
 from .pipeline_build import build_pipeline
-from .plan_file import write_plan_file
+from .plan_file import check_checksum, sealed_json, write_plan_file
 from .text import NONE, plan_text, summarize_policies
 
 # The attribute of a model that a plan's apply() marks (holding the checkpoint handle, or None).
@@ -329,8 +329,9 @@ class Plan:
             ) from error
 
     def to_json(self) -> str:
-        """``to_dict()`` as JSON, keys in their own order (the block order is the model's)."""
-        return json.dumps(self.to_dict(), indent=2) + "\n"
+        """``to_dict()`` as JSON, keys in their own order (the block order is the model's), and the
+        checksum Plan.load checks (plan_file.py)."""
+        return sealed_json(self.to_dict())
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as JSON (the same as a run folder's plan.json); ``Plan.load`` reads it back.
@@ -348,7 +349,9 @@ class Plan:
         try:
             text = read_plan_file(os.fspath(path)).decode("utf-8")
             data = json.loads(text)
-            return cls.from_dict(data)
+            plan = cls.from_dict(data)  # a wrong field is named first; a valid one changed fails the sum
+            check_checksum(data)
+            return plan
         except (UnicodeDecodeError, ValueError, RecursionError) as error:
             if isinstance(error, ConfigError):
                 raise ConfigError(f"plan {os.fspath(path)!r} {error}") from error

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import InfeasibleBudgetError
 from ...memory import format_bytes, fraction_base_bytes
 from ...memory.allocator import (
     check_cuda_budget,
@@ -98,17 +97,3 @@ def outside_the_model(
             "gradients (none with gradient_as_bucket_view=True)"
         )
     return BudgetReserve(parts=tuple(parts), notes=tuple(notes))
-
-
-def with_reserve(error: InfeasibleBudgetError, reserve: BudgetReserve) -> InfeasibleBudgetError:
-    """``error`` (about the model's share of the budget) restated for the whole budget."""
-    if not reserve.total_bytes:
-        return error
-    terms = " + ".join(f"{name} {format_bytes(value)}" for name, value in reserve.parts)
-    return InfeasibleBudgetError(
-        f"{error} (the memory named there is the budget less {terms}, which live outside the profiled "
-        f"model; the whole budget must be at least "
-        f"{format_bytes(error.minimum_bytes + reserve.total_bytes)})",
-        minimum_bytes=error.minimum_bytes + reserve.total_bytes,
-        parts={**error.parts, **dict(reserve.parts)},
-    )
