@@ -22,6 +22,7 @@ from ..models.corpus import load_corpus
 from . import elastic, pipelined
 from .config import TrainConfig, validate_config
 from .loop import Outcome, run_windows
+from .peaks import worst_window
 from .run_folder import (
     CHECKPOINT_FILE,
     CONFIG_FILE,
@@ -169,6 +170,7 @@ def finish(session: Session, outcome: Outcome) -> TrainSummary:
         stopped_by=outcome.stopped_by,
         replans=session.replans,
         **totals,
+        **worst_window(session.metrics, session.plan.budget_bytes),
     )
     if distributed.is_rank_zero():
         check_folder(session)
