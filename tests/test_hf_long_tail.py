@@ -114,6 +114,26 @@ def test_long_tail_epoch_peaks_within_the_budget(
         assert sum(len(w) for w in sampler.windows()) == len(dataset)
         assert max(tokens) <= result.max_tokens
     assert tracker.peak_bytes <= budget, (tracker.peak_bytes, budget)
+    # fit_trainer's own record of the epoch (hf/trainer_peaks.py): every window, the worst within the
+    # budget, and no higher than the tracker opened outside sees (it holds every window).
+    peaks = trainer.microbatch_window_peaks
+    summary = peaks.summary()
+    assert len(peaks.records) == len(dataset) // BATCH and [r["step"] for r in peaks.records] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+        7,
+        8,
+    ]
+    assert summary["budget_bytes"] == budget and summary["windows_over_budget"] == 0
+    assert 2 <= summary["windows_measured"] <= len(peaks.records)
+    measured = max(r["peak_bytes"] for r in peaks.records if r["peak_measured"])
+    assert measured <= tracker.peak_bytes
+    assert summary["worst_window_peak_bytes"] <= budget
+    assert trainer.state.log_history[-1]["microbatch_window_peaks"] == summary
 
 
 def test_a_refusal_names_the_lengths_it_planned_for(tmp_path: Any, one_torch_thread: None) -> None:

@@ -1,7 +1,7 @@
 """Whole-run memory evidence of ``microbatch train`` (issue 33): each window's peak, the worst against
 the plan's budget in summary.json, and the windows measured chosen so that none worse is missed.
 
-Measured by the CPU MemoryTracker (training/peaks.py). One planned run (about 20 s of profiling on
+Measured by the CPU MemoryTracker (memory/window_peaks.py). One planned run (about 20 s of profiling on
 gpt-nano); the other runs reuse its plan.json.
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from microbatch import cli
-from microbatch.training.peaks import PeakMemory, covered, worst_window
+from microbatch.memory.window_peaks import PeakMemory, covered, worst_window
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

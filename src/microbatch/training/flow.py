@@ -18,11 +18,11 @@ from collections.abc import Callable
 import torch
 
 from .. import distributed
+from ..memory.window_peaks import worst_window
 from ..models.corpus import load_corpus
 from . import elastic, pipelined
 from .config import TrainConfig, validate_config
 from .loop import Outcome, run_windows
-from .peaks import worst_window
 from .run_folder import (
     CHECKPOINT_FILE,
     CONFIG_FILE,

@@ -32,11 +32,11 @@ from ..accumulate.accumulator import WindowStats
 from ..distributed import decided_on_rank_zero
 from ..errors import TrainingError, WorkloadError
 from ..memory.oom import free_memory, is_out_of_memory
+from ..memory.window_peaks import PeakMemory
 from ..models.workloads import gpt_loss
 from ..trees.batches import batch_size_of, move_batch, split_batch
 from . import pipelined
 from .max_tokens import split_window
-from .peaks import PeakMemory
 from .run_folder import METRICS_FILE, append_line
 from .run_plan import plan_without, planning_workload
 from .session import Session, accumulator, check_folder, release_plan, save, storage_error, use_plan

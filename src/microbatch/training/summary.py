@@ -41,7 +41,7 @@ class TrainSummary:
 
     ``tokens`` and ``seconds`` sum every optimizer step since step 1; ``stopped_by`` names the
     signal (SIGINT, SIGTERM) that interrupted it, None when it ran to the end. The whole run's
-    memory evidence (training/peaks.py): ``worst_window_peak_bytes`` is the highest window peak, at
+    memory evidence (memory/window_peaks.py): ``worst_window_peak_bytes`` is the highest window peak, at
     step ``worst_window_step``, measured (``worst_window_measured``; ``windows_measured`` were) or
     bounded by a measured window that covers it, against the plan's ``budget_bytes`` (None for a
     manual plan), ``windows_over_budget`` of them above it.

@@ -1,4 +1,6 @@
-"""Each window's peak memory, and the worst window of the run against the plan's budget.
+"""Each window's peak memory, and the worst window of a run against the plan's budget.
+
+Used by ``microbatch train`` (training/loop.py: summary.json) and ``fit_trainer`` (hf/window_peaks.py).
 
 CUDA: the caching allocator's ``max_memory_reserved`` over the window (``reset_peak_memory_stats``
 at its start), what an out-of-memory error is decided on and what the planner's trial measured;
@@ -31,19 +33,21 @@ from typing import Any
 
 import torch
 
-from ..memory import MemoryTracker
-from ..trees.batches import tensor_bytes
+from ..trees.batches import tensor_bytes, tensors_of
+from .tracker import MemoryTracker
 
 # (rows, padded length) of a micro-batch's token ids
 Shape = tuple[int, int]
 
 
 def micro_batch_shapes(micro_batches: Sequence[Any]) -> list[Shape]:
-    """(rows, padded length) of each micro-batch's ``input_ids`` (a 2-D tensor)."""
+    """(rows, padded length) of each micro-batch: its first tensor's rows, its tensors' longest
+    second dimension (1 when none has two)."""
     shapes = []
     for batch in micro_batches:
-        ids = batch["input_ids"]
-        shapes.append((int(ids.shape[0]), int(ids.shape[-1]) if ids.dim() > 1 else 1))
+        tensors = [t for t in tensors_of(batch) if t.dim() > 0]
+        rows = int(tensors[0].shape[0]) if tensors else 0
+        shapes.append((rows, max((int(t.shape[1]) for t in tensors if t.dim() > 1), default=1)))
     return shapes
 
 
