@@ -133,3 +133,33 @@ def test_windows_measured_are_those_that_could_be_the_worst() -> None:
         "worst_window_measured": True, "windows_measured": 2, "windows_over_budget": 3,
     }  # fmt: skip
     assert worst_window(metrics, 0)["windows_over_budget"] is None  # a manual plan: no budget
+
+
+def test_on_cuda_every_window_reads_the_allocators_reserved_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path without a GPU: every window measured, its peak statistics reset at its start and
+    max_memory_reserved read at its end (the test_gpu case below runs it on a device)."""
+    calls: list[str] = []
+    reserved = iter([700, 900, 800])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: calls.append("reset"))
+    monkeypatch.setattr(
+        torch.cuda, "max_memory_reserved", lambda device: calls.append("read") or next(reserved)
+    )
+    peak = PeakMemory(torch.device("cuda", 0), model=None, optimizer=None, every=50)
+    batches = [{"input_ids": torch.zeros(2, 4, dtype=torch.long)}]
+    records = []
+    for step in (1, 2, 3):
+        with peak.measure(step, batches):
+            calls.append("window")
+        records.append({"step": step, **peak.record()})
+    assert calls == ["reset", "window", "read"] * 3 and peak.source == "cuda-reserved"
+    assert [r["peak_bytes"] for r in records] == [700, 900, 800] and all(r["peak_measured"] for r in records)
+    assert worst_window(records, 850)["windows_over_budget"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_run_states_its_worst_reserved_window_within_the_budget(tmp_path: Path) -> None:
+    summary, metrics = _train(tmp_path / "cuda", "--device", "cuda", "--memory", "256MiB", "--steps", "6")
+    assert summary["peak_bytes_source"] == "cuda-reserved" and summary["windows_measured"] == 6
+    assert all(r["peak_measured"] for r in metrics)
+    assert summary["worst_window_peak_bytes"] <= summary["budget_bytes"] == 256 * 2**20
