@@ -90,6 +90,21 @@ def _run(name: str, trainer: Any, budget: int, *, raise_over: bool = False) -> d
         "steps": args.gradient_accumulation_steps,
         "effective_batch": BATCH if name != "auto_find" else micro * args.gradient_accumulation_steps,
         "seconds": seconds,
+        **_own_record(trainer),
+    }
+
+
+def _own_record(trainer: Any) -> dict[str, Any]:
+    """fit_trainer's own record of the windows (hf/trainer_peaks.py), beside this script's trackers."""
+    record = getattr(trainer, "microbatch_window_peaks", None)
+    if record is None:
+        return {}
+    summary = record.summary()
+    return {
+        "fit_trainer_worst_bytes": summary["worst_window_peak_bytes"],
+        "fit_trainer_worst_measured": summary["worst_window_measured"],
+        "fit_trainer_windows_measured": summary["windows_measured"],
+        "fit_trainer_windows_over": summary["windows_over_budget"],
     }
 
 
@@ -134,6 +149,14 @@ def main() -> None:
             f"{r['tokens_per_s']:.0f} | {r['padding_share']:.0%} | {format_bytes(r['worst_window_bytes'])} | "
             f"{r['windows_over']}/{r['windows']} |"
         )
+    for r in rows:
+        if "fit_trainer_worst_bytes" in r:
+            print(
+                f"{r['variant']}: fit_trainer's record: worst {format_bytes(r['fit_trainer_worst_bytes'])} "
+                f"({'measured' if r['fit_trainer_worst_measured'] else 'bound'}), "
+                f"{r['fit_trainer_windows_measured']}/{r['windows']} windows measured, "
+                f"{r['fit_trainer_windows_over']} over"
+            )
     print(json.dumps({"budget_bytes": budget, "rows": rows}))
 
 

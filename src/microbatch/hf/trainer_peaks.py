@@ -3,8 +3,8 @@
 ``record_window_peaks(trainer, budget_bytes=...)`` (``fit_trainer`` calls it) measures the
 Trainer's windows with ``memory.window_peaks.PeakMemory``: a window starts when the Trainer has
 drawn its micro-batches (``get_batch_samples``, wrapped: they are all alive through the window, so
-they count from the start, and their shapes say whether the window could be the worst) and ends at
-``on_step_end`` (after the optimizer's step and ``zero_grad``). On CUDA every window's
+they count from the start, and their shapes say whether the window could be the worst) and ends
+after the callbacks' ``on_step_end`` (after the optimizer's step and ``zero_grad``). On CUDA every window's
 ``max_memory_reserved`` (its peak statistics reset at the window's start); elsewhere MemoryTracker
 on the windows no measured one covers, the others bounded (memory/window_peaks.py).
 
@@ -79,24 +79,27 @@ class TrainerWindowPeaks:
 def record_window_peaks(trainer: Any, *, budget_bytes: int, every: int = 50) -> TrainerWindowPeaks:
     """Measure ``trainer``'s windows from its next ``train()`` on; returns the recorder, also
     ``trainer.microbatch_window_peaks``. ``every``: the CPU tracker's spot check, in windows."""
-    import transformers
-
     installed = getattr(trainer, "microbatch_window_peaks", None)
     if isinstance(installed, TrainerWindowPeaks):  # fit_trainer called again: the new budget
         installed.budget_bytes = budget_bytes
         return installed
     peaks = TrainerWindowPeaks(trainer, budget_bytes=budget_bytes, every=every)
+    handler = trainer.callback_handler
+    on_step_end, on_train_end = handler.on_step_end, handler.on_train_end
 
-    class WindowPeaksCallback(transformers.TrainerCallback):
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            peaks.end(int(state.global_step))
+    def step_end_then_measured(args: Any, state: Any, control: Any) -> Any:
+        # After every callback's on_step_end: a tracker a callback opened in the window (nested in
+        # this one) is closed first, so the dispatch modes leave in the order they came.
+        control = on_step_end(args, state, control)
+        peaks.end(int(state.global_step))
+        return control
 
-        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            peaks.close()
-            if peaks.records:
-                summary = peaks.summary()
-                state.log_history.append({"step": state.global_step, "microbatch_window_peaks": summary})
-                logger.info("fit_trainer: %s", peaks)
+    def train_end_with_summary(args: Any, state: Any, control: Any) -> Any:
+        peaks.close()
+        if peaks.records:  # in the log before the callbacks that report it see it
+            state.log_history.append({"step": state.global_step, "microbatch_window_peaks": peaks.summary()})
+            logger.info("fit_trainer: %s", peaks)
+        return on_train_end(args, state, control)
 
     get_batch_samples = trainer.get_batch_samples
     train = trainer.train
@@ -115,6 +118,6 @@ def record_window_peaks(trainer: Any, *, budget_bytes: int, every: int = 50) -> 
 
     trainer.get_batch_samples = measured_batch_samples
     trainer.train = train_closing
-    trainer.add_callback(WindowPeaksCallback())
+    handler.on_step_end, handler.on_train_end = step_end_then_measured, train_end_with_summary
     trainer.microbatch_window_peaks = peaks
     return peaks
