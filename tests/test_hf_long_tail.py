@@ -18,6 +18,7 @@ from microbatch import hf
 from microbatch.errors import InfeasibleBudgetError
 from microbatch.hf.lengths import read_lengths, sample_length
 from microbatch.hf.trainer import TRAINER_ALLOWANCE
+from microbatch.hf.trainer_peaks import record_window_peaks
 from microbatch.profile.runs import train_window
 
 PAD, BATCH = 0, 16
@@ -192,3 +193,16 @@ def test_what_the_trainer_adds_to_a_window_is_within_its_allowance(
     assert len(extra) == len(dataset) // BATCH - 1
     assert max(extra) <= TRAINER_ALLOWANCE * budget, (extra, budget)
     print(f"the Trainer adds at most {max(extra)} B to a window ({max(extra) / budget:.4%} of the budget)")
+
+
+def test_the_window_record_can_be_removed(tmp_path: Any, one_torch_thread: None) -> None:
+    trainer = _trainer(tmp_path, LongTail())
+    before = (trainer.get_batch_samples, trainer.train, trainer.callback_handler.on_step_end)
+    record = record_window_peaks(trainer, budget_bytes=2**30)
+    assert trainer.microbatch_window_peaks is record and trainer.get_batch_samples != before[0]
+    record.remove()
+    assert (trainer.get_batch_samples, trainer.train, trainer.callback_handler.on_step_end) == before
+    assert not hasattr(trainer, "microbatch_window_peaks")
+    trainer.args.max_steps = 1
+    trainer.train()
+    assert record.records == []
