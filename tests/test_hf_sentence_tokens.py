@@ -21,6 +21,7 @@ import microbatch as mb
 from microbatch import hf
 from microbatch.accumulate.cached_tokens import cut_batch_by_tokens
 from microbatch.errors import ConfigError
+from microbatch.hf.lengths import read_lengths, text_length
 
 st = pytest.importorskip("sentence_transformers")
 pytest.importorskip("transformers")
@@ -120,3 +121,24 @@ def test_a_long_tailed_run_peaks_within_the_budget_by_tokens_and_over_it_by_rows
     print(f"budget {budget} B: by tokens {worst_tokens:.2f}x, by {fixed_rows} rows {worst_rows:.2f}x")
     assert max(token_peaks) <= budget
     assert max(row_peaks) > budget
+
+
+def test_a_sentence_dataset_is_read_for_lengths_by_its_tokenizer(tmp_path: Path) -> None:
+    """Issue 33 for sentence-transformers: their datasets hold text columns; hf/lengths.py reads them
+    with the model's tokenizer (no forward pass), longest first, for the worst mini-batch a run can draw."""
+    datasets = pytest.importorskip("datasets")
+    model = tiny_sentence_transformer(tmp_path)
+    anchors, positives = _long_tailed(30, 7), _long_tailed(30, 8)
+    dataset = datasets.Dataset.from_dict({"anchor": anchors, "positive": positives, "score": [1.0] * 30})
+    lengths = read_lengths(dataset, length=text_length(model.tokenizer))
+    assert lengths is not None and not lengths.sampled
+    want = [
+        max(len(model.tokenizer(text)["input_ids"]) for text in pair)
+        for pair in zip(anchors, positives, strict=True)
+    ]
+    assert list(lengths.lengths) == sorted(want, reverse=True)
+    assert lengths.lengths[0] > 40 > lengths.lengths[-1]  # the long tail, read
+    only_anchors = read_lengths(dataset, length=text_length(model.tokenizer, columns=["anchor"]))
+    assert only_anchors is not None
+    assert max(only_anchors.lengths) == max(len(model.tokenizer(a)["input_ids"]) for a in anchors)
+    assert text_length(model.tokenizer)({"score": 1.0}) is None
