@@ -1,11 +1,12 @@
 """Each window's peak memory, and the worst window of a run against the plan's budget.
 
-Used by ``microbatch train`` (training/loop.py: summary.json) and ``fit_trainer`` (hf/window_peaks.py).
+Used by ``microbatch train`` (training/loop.py: summary.json) and ``fit_trainer`` (hf/trainer_peaks.py).
 
 CUDA: the caching allocator's ``max_memory_reserved`` over the window (``reset_peak_memory_stats``
 at its start), what an out-of-memory error is decided on and what the planner's trial measured;
 free to read, so every window is measured. Elsewhere: MemoryTracker's peak live tensor bytes,
-which costs 15-30 % of a CPU window, so a window is measured only where it could be the worst:
+which makes a CPU window slower (15-30 % on gpt-mini, ~4x on gpt-nano, whose ops take microseconds),
+so a window is measured only where it could be the worst:
 
 - the first two windows of a process (the first creates the optimizer state; the second shows
   nothing else grew after it), and every ``every``-th as a spot check;
