@@ -13,7 +13,14 @@ training step on a micro-batch of the two longest samples.
                    of memory" when a window's tracked peak passes the budget, which accelerate catches)
     (d) padded:    the plan of (a), every row padded to the dataset's longest sample
 
-Each window's peak is measured by a MemoryTracker opened for that window outside the planner.
+Each window's peak: fit_trainer's own record (hf/trainer_peaks.py) with every window measured
+(``every=1``), attached the same way to all four variants so each pays the same tracking cost: a
+MemoryTracker from the window's micro-batches drawn to its optimizer step's end, the parameters,
+gradients, optimizer state and the window's inputs counted from the start. (c) also has the
+out-of-memory emulation's own tracker, per window, whose peaks (c)'s row shows (it opens at
+on_step_begin, after the window's inputs are drawn, without the optimizer: its state counts only
+once the step touches it). tokens/s comes from a second epoch of (a), (b), (d) with no window
+measured (a tracker's cost per op would hide what the padding costs); (c) is timed with its tracker.
 
     python benchmarks/long_tail.py            # prints the table (markdown) and JSON
 """
@@ -24,6 +31,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +39,7 @@ import transformers
 
 import microbatch as mb
 from microbatch import hf
+from microbatch.hf.trainer_peaks import record_window_peaks
 from microbatch.memory import format_bytes
 
 sys.path.insert(0, "tests")
@@ -69,13 +78,30 @@ def _tokens_counter(model: torch.nn.Module) -> dict[str, int]:
     return seen
 
 
-def _run(name: str, trainer: Any, budget: int, *, raise_over: bool = False) -> dict[str, Any]:
-    peaks = WindowPeaks(trainer.model, budget, raise_over=raise_over)
-    trainer.add_callback(peaks)
+def _untracked_seconds(make: Callable[[], Any], budget: int) -> float:
+    """One epoch with fit_trainer's record removed (the Trainer's own methods back)."""
+    trainer = make()
+    record_window_peaks(trainer, budget_bytes=budget).remove()
+    began = time.perf_counter()
+    trainer.train()
+    return time.perf_counter() - began
+
+
+def _run(name: str, make: Callable[[], Any], budget: int, *, raise_over: bool = False) -> dict[str, Any]:
+    # tokens/s from an epoch without trackers (a tracker's cost per op would hide the padding's);
+    # auto_find's needs its tracker to emulate out of memory, so it is timed with it
+    untracked = None if raise_over else _untracked_seconds(make, budget)
+    trainer = make()
+    record = record_window_peaks(trainer, budget_bytes=budget)  # fit_trainer's, or a new one
+    record.peak.every = 1  # every window measured, in every variant
+    raised = WindowPeaks(trainer.model, budget, raise_over=True) if raise_over else None
+    if raised is not None:
+        trainer.add_callback(raised)
     seen = _tokens_counter(trainer.model)
     began = time.perf_counter()
     trainer.train()
-    seconds = time.perf_counter() - began
+    seconds = untracked if untracked is not None else time.perf_counter() - began
+    peaks = raised.peaks if raised is not None else [r["peak_bytes"] for r in record.records]
     args = trainer.args
     micro = trainer._train_batch_size
     return {
@@ -83,9 +109,11 @@ def _run(name: str, trainer: Any, budget: int, *, raise_over: bool = False) -> d
         # one epoch's real tokens over the whole run's time (auto_find's restarts included)
         "tokens_per_s": sum(len(r) for r in trainer.train_dataset.rows) / seconds,
         "padding_share": 1 - seen["real"] / seen["padded"],
-        "windows": len(peaks.peaks),  # every attempt's (auto_find restarts the epoch on out of memory)
-        "worst_window_bytes": max(peaks.peaks),
-        "windows_over": sum(p > budget for p in peaks.peaks),
+        # auto_find: every attempt's window by the emulation's tracker (it restarts the epoch on out
+        # of memory, and a window that raised leaves no record in fit_trainer's)
+        "windows": len(peaks),
+        "worst_window_bytes": max(peaks),
+        "windows_over": sum(p > budget for p in peaks),
         "micro_batch": micro,
         "steps": args.gradient_accumulation_steps,
         "effective_batch": BATCH if name != "auto_find" else micro * args.gradient_accumulation_steps,
@@ -108,23 +136,38 @@ def main() -> None:
     dataset = LongTail()
     out = tempfile.mkdtemp()
     budget = int(1.25 * _two_longest_step_peak(_trainer(out, dataset).model, dataset))
-    rows: list[dict[str, Any]] = []
-    trainer = _trainer(out, dataset)
-    plan_rows = hf.fit_trainer(trainer, batch=BATCH, memory=budget)
-    rows.append(_run("rows (fit_trainer)", trainer, budget))
-    trainer = _trainer(out, dataset)
-    hf.fit_trainer(trainer, batch=BATCH, memory=budget, max_tokens="auto")
-    rows.append(_run("tokens (max_tokens=auto)", trainer, budget))
-    trainer = _trainer(out, dataset)
-    trainer.args.auto_find_batch_size, trainer.args.per_device_train_batch_size = True, BATCH
-    trainer._train_batch_size = BATCH
-    rows.append(_run("auto_find", trainer, budget, raise_over=True))
-    trainer = _trainer(out, dataset)
-    trainer.data_collator = _padded_to_longest(max(len(r) for r in dataset.rows))
-    trainer.args.per_device_train_batch_size = plan_rows.micro_batch_size
-    trainer.args.gradient_accumulation_steps = plan_rows.steps
-    trainer._train_batch_size = plan_rows.micro_batch_size
-    rows.append(_run("padded to longest", trainer, budget))
+    plan_rows = hf.fit_trainer(_trainer(out, dataset), batch=BATCH, memory=budget)
+
+    def rows_plan() -> Any:
+        trainer = _trainer(out, dataset)
+        hf.fit_trainer(trainer, batch=BATCH, memory=budget)
+        return trainer
+
+    def tokens_plan() -> Any:
+        trainer = _trainer(out, dataset)
+        hf.fit_trainer(trainer, batch=BATCH, memory=budget, max_tokens="auto")
+        return trainer
+
+    def auto_find() -> Any:
+        trainer = _trainer(out, dataset)
+        trainer.args.auto_find_batch_size, trainer.args.per_device_train_batch_size = True, BATCH
+        trainer._train_batch_size = BATCH
+        return trainer
+
+    def padded() -> Any:
+        trainer = _trainer(out, dataset)
+        trainer.data_collator = _padded_to_longest(max(len(r) for r in dataset.rows))
+        trainer.args.per_device_train_batch_size = plan_rows.micro_batch_size
+        trainer.args.gradient_accumulation_steps = plan_rows.steps
+        trainer._train_batch_size = plan_rows.micro_batch_size
+        return trainer
+
+    rows = [
+        _run("rows (fit_trainer)", rows_plan, budget),
+        _run("tokens (max_tokens=auto)", tokens_plan, budget),
+        _run("auto_find", auto_find, budget, raise_over=True),
+        _run("padded to longest", padded, budget),
+    ]
     print(f"budget {format_bytes(budget)}; plan {plan_rows.micro_batch_size} x {plan_rows.steps}")
     print("| variant | micro x steps | effective batch | tokens/s | padding | worst window | over |")
     print("|---|---|---|---|---|---|---|")

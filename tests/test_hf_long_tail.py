@@ -17,6 +17,9 @@ import microbatch as mb
 from microbatch import hf
 from microbatch.errors import InfeasibleBudgetError
 from microbatch.hf.lengths import read_lengths, sample_length
+from microbatch.hf.trainer import TRAINER_ALLOWANCE
+from microbatch.hf.trainer_peaks import record_window_peaks
+from microbatch.profile.runs import train_window
 
 PAD, BATCH = 0, 16
 
@@ -114,6 +117,26 @@ def test_long_tail_epoch_peaks_within_the_budget(
         assert sum(len(w) for w in sampler.windows()) == len(dataset)
         assert max(tokens) <= result.max_tokens
     assert tracker.peak_bytes <= budget, (tracker.peak_bytes, budget)
+    # fit_trainer's own record of the epoch (hf/trainer_peaks.py): every window, the worst within the
+    # budget, and no higher than the tracker opened outside sees (it holds every window).
+    peaks = trainer.microbatch_window_peaks
+    summary = peaks.summary()
+    assert len(peaks.records) == len(dataset) // BATCH and [r["step"] for r in peaks.records] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+        7,
+        8,
+    ]
+    assert summary["budget_bytes"] == budget and summary["windows_over_budget"] == 0
+    assert 2 <= summary["windows_measured"] <= len(peaks.records)
+    measured = max(r["peak_bytes"] for r in peaks.records if r["peak_measured"])
+    assert measured <= tracker.peak_bytes
+    assert summary["worst_window_peak_bytes"] <= budget
+    assert trainer.state.log_history[-1]["microbatch_window_peaks"] == summary
 
 
 def test_a_refusal_names_the_lengths_it_planned_for(tmp_path: Any, one_torch_thread: None) -> None:
@@ -123,3 +146,63 @@ def test_a_refusal_names_the_lengths_it_planned_for(tmp_path: Any, one_torch_thr
     with pytest.raises(InfeasibleBudgetError, match=r"longest samples of the dataset, 200, \d+"):
         hf.fit_trainer(trainer, batch=BATCH, memory=6 * weights, max_profile_micro_batch_size=2, trial=False)
     assert trainer.args.per_device_train_batch_size == 1  # nothing changed
+
+
+def test_what_the_trainer_adds_to_a_window_is_within_its_allowance(
+    tmp_path: Any, one_torch_thread: None
+) -> None:
+    """The Trainer's own memory on the long-tail epoch: each window it measured (fit_trainer's record)
+    against the same micro-batches through microbatch's window (the planner's trial: the Accumulator,
+    the optimizer's state created first, the inputs counted from the start), on the same model.
+    The difference (gradient clipping, loss bookkeeping, accelerate's wrappers) must fit the 1 % of the
+    budget fit_trainer sets aside (TRAINER_ALLOWANCE). Measured: 8 B in each of windows 2-8 (the peak is
+    in a micro-batch's backward, where the Trainer holds nothing of its own; its clipping comes after).
+    ``windows`` holds each window's inputs by reference (no op: nothing a tracker would count)."""
+    dataset = LongTail()
+    budget = int(1.25 * _two_longest_step_peak(_trainer(tmp_path, dataset).model, dataset))
+    trainer = _trainer(tmp_path, dataset)
+    hf.fit_trainer(trainer, batch=BATCH, memory=budget, max_profile_micro_batch_size=8)
+    windows: dict[int, list[Any]] = {}
+    measured_batch_samples = trainer.get_batch_samples
+
+    def keep(*args: Any, **kwargs: Any) -> Any:
+        batch_samples, items = measured_batch_samples(*args, **kwargs)
+        windows[trainer.state.global_step + 1] = [dict(b) for b in batch_samples]
+        return batch_samples, items
+
+    trainer.get_batch_samples = keep
+    trainer.microbatch_window_peaks.peak.every = 1  # every window measured
+    trainer.train()
+    workload = hf.trainer_workload(trainer)
+    model = trainer.model
+    optimizer = workload.make_optimizer()
+    for parameter in model.parameters():  # the state made by a step on zero gradients, as the trial does
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+    extra = []
+    for record in trainer.microbatch_window_peaks.records:
+        if not record["peak_measured"] or record["step"] == 1:  # window 1: the Trainer's state not yet made
+            continue
+        batches = windows[record["step"]]
+        accumulator = mb.Accumulator(model, optimizer, steps=len(batches))
+        with mb.MemoryTracker(model=model, optimizer=optimizer) as tracker:
+            tracker.track(batches)
+            train_window(workload, accumulator, iter(list(batches)))
+        extra.append(record["peak_bytes"] - tracker.peak_bytes)
+    assert len(extra) == len(dataset) // BATCH - 1
+    assert max(extra) <= TRAINER_ALLOWANCE * budget, (extra, budget)
+    print(f"the Trainer adds at most {max(extra)} B to a window ({max(extra) / budget:.4%} of the budget)")
+
+
+def test_the_window_record_can_be_removed(tmp_path: Any, one_torch_thread: None) -> None:
+    trainer = _trainer(tmp_path, LongTail())
+    before = (trainer.get_batch_samples, trainer.train, trainer.callback_handler.on_step_end)
+    record = record_window_peaks(trainer, budget_bytes=2**30)
+    assert trainer.microbatch_window_peaks is record and trainer.get_batch_samples != before[0]
+    record.remove()
+    assert (trainer.get_batch_samples, trainer.train, trainer.callback_handler.on_step_end) == before
+    assert not hasattr(trainer, "microbatch_window_peaks")
+    trainer.args.max_steps = 1
+    trainer.train()
+    assert record.records == []

@@ -4,7 +4,9 @@ The tiny float64 BERT SentenceTransformer of tests/test_hf_sentence.py (dropout 
 long-tailed (anchor, positive) pairs (most 2-8 words, a few 40-50), max_tokens = 2 x the longest
 row. Reference: MultipleNegativesRankingLoss on the whole batch at once. rtol 1e-9, atol 1e-12.
 Every encode pass (a forward pre-hook on the model) holds rows x columns <= max_tokens after the
-padding is trimmed, and the rows were reordered (longest first) and put back.
+padding is trimmed, and the rows were reordered (longest first) and put back. Whole run: four
+long-tailed steps of 24 pairs, peaks by a MemoryTracker in the test, within a budget of 1.1x the
+worst batch's peak by tokens (measured 0.97x), over it by fixed rows (2.14x).
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from typing import Any
 import pytest
 import torch
 
+import microbatch as mb
 from microbatch import hf
 from microbatch.accumulate.cached_tokens import cut_batch_by_tokens
 from microbatch.errors import ConfigError
+from microbatch.hf.lengths import read_lengths, text_length
 
 st = pytest.importorskip("sentence_transformers")
 pytest.importorskip("transformers")
@@ -78,3 +82,63 @@ def test_exactly_one_of_rows_and_tokens(tmp_path: Path) -> None:
         hf.CachedSentenceLoss(model, mnrl, micro_batch_size=4, max_tokens=64)
     with pytest.raises(ConfigError, match="max_tokens must be a positive int"):
         hf.CachedSentenceLoss(model, mnrl, max_tokens=0)
+
+
+def test_a_long_tailed_run_peaks_within_the_budget_by_tokens_and_over_it_by_rows(tmp_path: Path) -> None:
+    """Whole run (issue 33): the budget is 1.1x the measured peak of the worst batch this data can
+    give (every row of the longest length) with max_tokens = 4 x longest; then every step of a run of
+    long-tailed batches, by a MemoryTracker opened in the test, peaks within it by tokens, and a fixed
+    row count making as many encode passes goes over it (a mini-batch that draws long documents)."""
+    model = tiny_sentence_transformer(tmp_path)
+    model.train()
+    mnrl = st.sentence_transformer.losses.MultipleNegativesRankingLoss(model)
+    rows = 24
+    steps = [[_long_tailed(rows, seed) for seed in (20 + 2 * step, 21 + 2 * step)] for step in range(4)]
+    longest_text = max((text for step in steps for column in step for text in column), key=len)
+    longest = int(model.tokenize([longest_text])["attention_mask"].sum())
+    max_tokens = 4 * longest
+    labels = torch.zeros(rows)
+
+    def peak(loss: Any, texts: list[list[str]]) -> int:
+        features = [model.tokenize(column) for column in texts]
+        with mb.MemoryTracker("cpu", model=model) as tracker:
+            loss(features, labels).backward()
+        model.zero_grad(set_to_none=True)
+        return tracker.peak_bytes
+
+    by_tokens = hf.CachedSentenceLoss(model, mnrl, max_tokens=max_tokens)
+    model(model.tokenize(["warm up"]))  # nothing of the first call is counted below
+    budget = int(1.1 * peak(by_tokens, [[longest_text] * rows] * 2))
+    passes = 0
+    for texts in steps:
+        for column in texts:
+            passes += len(cut_batch_by_tokens(model.tokenize(column), max_tokens).groups)
+    fixed_rows = -(-2 * rows * len(steps) // passes)  # the token cut's mean rows per pass, rounded up
+    by_rows = hf.CachedSentenceLoss(model, mnrl, micro_batch_size=fixed_rows)
+    token_peaks = [peak(by_tokens, texts) for texts in steps]
+    row_peaks = [peak(by_rows, texts) for texts in steps]
+    worst_tokens, worst_rows = max(token_peaks) / budget, max(row_peaks) / budget
+    print(f"budget {budget} B: by tokens {worst_tokens:.2f}x, by {fixed_rows} rows {worst_rows:.2f}x")
+    assert max(token_peaks) <= budget
+    assert max(row_peaks) > budget
+
+
+def test_a_sentence_dataset_is_read_for_lengths_by_its_tokenizer(tmp_path: Path) -> None:
+    """Issue 33 for sentence-transformers: their datasets hold text columns; hf/lengths.py reads them
+    with the model's tokenizer (no forward pass), longest first, for the worst mini-batch a run can draw."""
+    datasets = pytest.importorskip("datasets")
+    model = tiny_sentence_transformer(tmp_path)
+    anchors, positives = _long_tailed(30, 7), _long_tailed(30, 8)
+    dataset = datasets.Dataset.from_dict({"anchor": anchors, "positive": positives, "score": [1.0] * 30})
+    lengths = read_lengths(dataset, length=text_length(model.tokenizer))
+    assert lengths is not None and not lengths.sampled
+    want = [
+        max(len(model.tokenizer(text)["input_ids"]) for text in pair)
+        for pair in zip(anchors, positives, strict=True)
+    ]
+    assert list(lengths.lengths) == sorted(want, reverse=True)
+    assert lengths.lengths[0] > 40 > lengths.lengths[-1]  # the long tail, read
+    only_anchors = read_lengths(dataset, length=text_length(model.tokenizer, columns=["anchor"]))
+    assert only_anchors is not None
+    assert max(only_anchors.lengths) == max(len(model.tokenizer(a)["input_ids"]) for a in anchors)
+    assert text_length(model.tokenizer)({"score": 1.0}) is None

@@ -21,6 +21,7 @@ import torch
 
 from microbatch import hf
 from microbatch.errors import ConfigError
+from microbatch.hf.lengths import read_lengths
 from test_hf_exact import Gradients  # the first optimizer step's gradient, as the optimizer sees it
 
 transformers = pytest.importorskip("transformers")
@@ -176,3 +177,20 @@ def test_dpo_losses_that_are_no_mean_over_pairs_are_refused_untouched(tmp_path: 
         STEPS,
     )
     assert "compute_loss" not in vars(trainer)
+
+
+def test_fit_trainer_reads_sft_lengths_and_plans_on_the_longest(tmp_path: Any) -> None:
+    """Issue 33 through TRL: SFTTrainer's tokenized dataset (a datasets.Dataset of input_ids lists) is
+    read by hf/lengths.py, lengths only, and the plan is profiled on its longest samples."""
+    rows = _rows(40, mask=None)
+    generator = torch.Generator().manual_seed(2)
+    for length in (57, 61, 59):  # a long tail stored last, as a dataset concatenated from two sources
+        rows["input_ids"].append([*torch.randint(3, VOCAB, (length,), generator=generator).tolist(), EOS])
+    trainer = _sft(tmp_path, rows)
+    lengths = read_lengths(trainer.train_dataset)
+    assert lengths is not None and not lengths.sampled
+    assert list(lengths.lengths) == sorted((len(r) for r in rows["input_ids"]), reverse=True)
+    plan = hf.fit_trainer(trainer, batch=MICRO * STEPS, memory="2GiB", trial=False, policies=["none"])
+    longest = ", ".join(str(n) for n in lengths.longest_lengths(plan.micro_batch_size)[:8])
+    assert any(f"longest samples: {longest}" in note for note in plan.notes), plan.notes
+    assert lengths.lengths[:3] == (62, 60, 58)

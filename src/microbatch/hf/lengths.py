@@ -6,7 +6,9 @@ the longest; a padding-free collator packs the most tokens). So a plan profiled 
 ``b`` longest samples for every ``b`` it considers holds for every window of the run, whatever order
 the sampler draws. Lengths come from the samples themselves (``len`` of their token lists), never
 from a forward pass; a dataset longer than ``max_scan`` samples is read at ``max_scan`` evenly
-spaced indices, and the plan's note says so (the longest unread sample may be longer).
+spaced indices, and the plan's note says so (the longest unread sample may be longer). Samples of
+text (sentence-transformers' datasets) are measured by a tokenizer: ``read_lengths(dataset,
+length=text_length(tokenizer))``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ..errors import InfeasibleBudgetError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DatasetLengths", "read_lengths", "sample_length"]
+__all__ = ["DatasetLengths", "read_lengths", "sample_length", "text_length"]
 
 MAX_SCAN = 20_000  # samples read for their lengths; above it, evenly spaced ones
 # The keys whose length is the sample's length in tokens, in order of preference.
@@ -44,6 +46,24 @@ def sample_length(sample: Any) -> int | None:
         known = [n for n in lengths if n is not None]
         return max(known) if known else None
     return None
+
+
+def text_length(tokenizer: Any, *, columns: Sequence[str] | None = None) -> Callable[[Any], int | None]:
+    """A ``length`` for ``read_lengths`` over samples of text (sentence-transformers' (anchor, positive,
+    ...) columns, raw SFT text): the most tokens ``tokenizer`` gives any of the sample's ``columns``
+    (default: every string value). Tokenizing, not a forward pass: the longest column sets the padded
+    width of a mini-batch it joins (each column is encoded apart, as CachedSentenceLoss does)."""
+
+    def length(sample: Any) -> int | None:
+        if not isinstance(sample, Mapping):
+            return None
+        names = list(columns) if columns is not None else [k for k, v in sample.items() if isinstance(v, str)]
+        texts = [sample[name] for name in names if isinstance(sample.get(name), str)]
+        if not texts:
+            return None
+        return max(len(ids) for ids in tokenizer(texts)["input_ids"])
+
+    return length
 
 
 def _length_of(value: Any) -> int | None:

@@ -3,7 +3,8 @@
 Owns the tracker of live tensor bytes by category (``tracker``), byte units and budgets
 (``units``, ``budget``), the CUDA caching allocator's model (``allocator``: reserved bytes from a
 run's allocations), the one place that recognises an out-of-memory error (``oom``), optimizer
-state sizes (``optimizer_state``) and device presets (``device_specs``).
+state sizes (``optimizer_state``), device presets (``device_specs``) and each training window's
+measured peak against a budget (``window_peaks``).
 
 May import: ``errors``, ``trees``. Nothing here knows of accumulation, checkpointing, the profile
 or the planner. Invariant: every storage is counted once, by its bytes, in one category.

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from .. import distributed
+from ..memory.window_peaks import worst_window
 from ..models.corpus import load_corpus
 from . import elastic, pipelined
 from .config import TrainConfig, validate_config
@@ -169,6 +170,7 @@ def finish(session: Session, outcome: Outcome) -> TrainSummary:
         stopped_by=outcome.stopped_by,
         replans=session.replans,
         **totals,
+        **worst_window(session.metrics, session.plan.budget_bytes),
     )
     if distributed.is_rank_zero():
         check_folder(session)

@@ -31,8 +31,8 @@ from .. import distributed
 from ..accumulate.accumulator import WindowStats
 from ..distributed import decided_on_rank_zero
 from ..errors import TrainingError, WorkloadError
-from ..memory import MemoryTracker
 from ..memory.oom import free_memory, is_out_of_memory
+from ..memory.window_peaks import PeakMemory
 from ..models.workloads import gpt_loss
 from ..trees.batches import batch_size_of, move_batch, split_batch
 from . import pipelined
@@ -53,44 +53,6 @@ class Outcome:
     interrupted: bool
     stopped_by: str | None
     peak_source: str
-
-
-class PeakMemory:
-    """Peak bytes of each optimizer step.
-
-    CUDA: the allocator's max_memory_allocated, every step. Elsewhere: MemoryTracker's peak live
-    tensor bytes on the first two steps (the first creates the optimizer state), on the first step
-    of a resumed process (else it would report 0 B until the next multiple of ``every``) and every
-    ``every`` steps only, because tracking costs 15-30 % of a CPU step; a step that is not measured
-    reports the latest measurement (``measured`` False).
-    """
-
-    def __init__(self, session: Session, *, every: int) -> None:
-        self.session = session
-        self.every = every
-        self.source = "cuda-allocator" if session.device.type == "cuda" else "tracker"
-        self.last_bytes = 0
-        self.measured = False
-        self.measured_step: int | None = None  # the step last_bytes was measured on
-
-    @contextlib.contextmanager
-    def measure(self, step: int) -> Iterator[None]:
-        device = self.session.device
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            yield
-            self.last_bytes, self.measured = int(torch.cuda.max_memory_allocated(device)), True
-            self.measured_step = step
-        elif step <= 2 or self.measured_step is None or step % self.every == 0:
-            with MemoryTracker(
-                device, model=self.session.raw_model, optimizer=self.session.optimizer
-            ) as tracker:
-                yield
-            self.last_bytes, self.measured = int(tracker.peak_bytes), True
-            self.measured_step = step
-        else:
-            yield
-            self.measured = False
 
 
 def autocast(session: Session) -> contextlib.AbstractContextManager[Any]:
@@ -277,7 +239,7 @@ def _train_window(session: Session, peak: PeakMemory) -> tuple[WindowStats, floa
         micro_batches = _window_batches(session)
         failed = False
         try:
-            with peak.measure(session.step + 1):
+            with peak.measure(session.step + 1, micro_batches):
                 stats = _run_window(session, micro_batches)
             return stats, time.perf_counter() - started
         except (RuntimeError, MemoryError) as error:
@@ -319,8 +281,7 @@ def _record(session: Session, stats: WindowStats, seconds: float, peak: PeakMemo
         "grad_norm": stats.grad_norm,
         "skipped": stats.skipped,
         "micro_batches": stats.micro_batches,
-        "peak_bytes": peak.last_bytes,
-        "peak_measured": peak.measured,
+        **peak.record(),
         "seconds": seconds,
         "tokens_per_second": stats.items / seconds if seconds > 0 else 0.0,
         **(session.token_steps.last_record if session.token_steps is not None else {}),
@@ -354,7 +315,9 @@ def run_windows(session: Session, *, progress: Callable[[StepReport], None] | No
     """Train up to ``config.steps`` optimizer steps; see the module docstring."""
     config = session.config
     eval_interval, checkpoint_interval = _intervals(session)
-    peak = PeakMemory(session, every=checkpoint_interval)
+    peak = PeakMemory(
+        session.device, model=session.raw_model, optimizer=session.optimizer, every=checkpoint_interval
+    )
     session.raw_model.train()
     seconds_per_step: float | None = None
     with StopFlag().installed() as stop:
@@ -377,15 +340,13 @@ def run_windows(session: Session, *, progress: Callable[[StepReport], None] | No
             if stopping or last or session.step % checkpoint_interval == 0:
                 save(session)
             if distributed.is_rank_zero() and progress is not None:
-                progress(_step_report(session, record, seconds_per_step, peak))
+                progress(_step_report(session, record, seconds_per_step))
             if stopping and not last:
                 return Outcome(interrupted=True, stopped_by=signal_name, peak_source=peak.source)
     return Outcome(interrupted=False, stopped_by=None, peak_source=peak.source)
 
 
-def _step_report(
-    session: Session, record: dict[str, Any], seconds_per_step: float, peak: PeakMemory
-) -> StepReport:
+def _step_report(session: Session, record: dict[str, Any], seconds_per_step: float) -> StepReport:
     total = session.config.steps
     return StepReport(
         step=session.step,
@@ -396,7 +357,7 @@ def _step_report(
         peak_bytes=record["peak_bytes"],
         eta_seconds=seconds_per_step * (total - session.step),
         val_loss=record.get("val_loss"),
-        peak_step=peak.measured_step,
+        peak_step=record["peak_step"],
         peak_what=micro_batches_in_words(session),
     )
 

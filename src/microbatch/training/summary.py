@@ -40,7 +40,11 @@ class TrainSummary:
     """The outcome of a run, all segments together (also written to summary.json).
 
     ``tokens`` and ``seconds`` sum every optimizer step since step 1; ``stopped_by`` names the
-    signal (SIGINT, SIGTERM) that interrupted it, None when it ran to the end.
+    signal (SIGINT, SIGTERM) that interrupted it, None when it ran to the end. The whole run's
+    memory evidence (memory/window_peaks.py): ``worst_window_peak_bytes`` is the highest window peak, at
+    step ``worst_window_step``, measured (``worst_window_measured``; ``windows_measured`` were) or
+    bounded by a measured window that covers it, against the plan's ``budget_bytes`` (None for a
+    manual plan), ``windows_over_budget`` of them above it.
     """
 
     run_dir: str
@@ -63,6 +67,12 @@ class TrainSummary:
     checkpoint: str
     stopped_by: str | None = None
     replans: int = 0
+    budget_bytes: int | None = None
+    worst_window_peak_bytes: int | None = None
+    worst_window_step: int | None = None
+    worst_window_measured: bool | None = None
+    windows_measured: int = 0
+    windows_over_budget: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,11 +85,18 @@ class TrainSummary:
             else "no steps"
         )
         state = "interrupted" if self.interrupted else "finished"
+        worst = ""
+        if self.worst_window_peak_bytes is not None and self.budget_bytes is not None:
+            worst = (
+                f", worst window {format_bytes(self.worst_window_peak_bytes)} "
+                f"(step {self.worst_window_step}) of the budget {format_bytes(self.budget_bytes)}"
+            )
         return (
             f"{state} {self.steps_done}/{self.total_steps} steps of {self.model} on {self.device}: "
             f"{loss}{val}; "
             f"{self.tokens:,} tokens in {self.seconds:.1f} s ({self.tokens_per_second:,.0f} tokens/s), "
-            f"peak {format_bytes(self.peak_bytes)} ({self.peak_bytes_source}); run folder {self.run_dir}"
+            f"peak {format_bytes(self.peak_bytes)} ({self.peak_bytes_source}){worst}; "
+            f"run folder {self.run_dir}"
         )
 
 
