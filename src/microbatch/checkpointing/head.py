@@ -39,6 +39,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ..errors import ConfigError
+from .linear_loss import fused_linear_loss, linear_cross_entropy_head
 
 __all__ = ["HeadHandle", "chunk_head", "chunked_cross_entropy", "head_module", "head_of"]
 
@@ -82,9 +83,15 @@ def chunked_cross_entropy(
     flat_targets = targets.reshape(-1)
     if flat_targets.numel() == 0:
         raise ConfigError(f"targets {tuple(targets.shape)} hold no tokens: give the head at least one")
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    if linear_cross_entropy_head(head):  # one backward for all chunks: one weight gradient (linear_loss.py)
+        total = fused_linear_loss(
+            flat_hidden, head, flat_targets, chunk_tokens=chunk_tokens, ignore_index=ignore_index
+        )
+        return total, (flat_targets != ignore_index).sum()
     # split (not slicing): backward concatenates the chunks' gradients once instead of one full-size
     # zero-padded gradient per chunk.
-    parts = hidden.reshape(-1, hidden.shape[-1]).split(chunk_tokens)
+    parts = flat_hidden.split(chunk_tokens)
     losses = [
         torch_checkpoint(_chunk_loss, head, part, part_targets, ignore_index, use_reentrant=False)
         for part, part_targets in zip(parts, flat_targets.split(chunk_tokens), strict=True)

@@ -26,7 +26,7 @@ from ..search.sizes import search
 
 logger = logging.getLogger("microbatch.planner.planning")
 
-AUTO_HEAD_CHUNKS = (1024,)
+AUTO_HEAD_CHUNKS = (256, 1024, 4096)
 # Chunk the head by default only where the logits dominate: a vocabulary at least this many times the
 # model's width (Llama 3: 128,256 / 4,096 = 31; GPT-2: 50,257 / 768 = 65; a byte-level GPT: 2).
 AUTO_VOCAB_PER_WIDTH = 16
