@@ -12,6 +12,9 @@ freed; backward recomputes them one chunk at a time (a non-reentrant ``torch.uti
 chunk), so at most one chunk's logits are ever alive. The gradient is the unchunked one up to the
 order of a sum (torchtitan's chunked loss, PR #996; TRL's ``chunked_nll``, PR #5575). The weighting
 is untouched: the loss returned is the same sum over counted tokens divided by the same count.
+A plain ``nn.Linear`` head (the usual one) takes linear_loss.py's function instead of the
+checkpoints: its gradients made chunk by chunk in forward, one weight gradient for all chunks and
+no recompute.
 
 ``chunk_head(model, tokens=c)`` installs it on the heads the project knows:
 
@@ -71,7 +74,8 @@ def chunked_cross_entropy(
     """(sum of CE(head(hidden_t), targets_t) over counted t, the count), ``chunk_tokens`` at a time.
 
     ``hidden`` is (..., H) and ``targets`` (...) already shifted; ``head`` maps (n, H) to (n, V) logits
-    (an ``nn.Linear``, a LoRA-wrapped one, any module). Each chunk's logits are recomputed in backward.
+    (an ``nn.Linear``, a LoRA-wrapped one, any module). A plain ``nn.Linear`` makes its gradients
+    chunk by chunk in forward (linear_loss.py); another head recomputes each chunk in backward.
     """
     if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ConfigError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")

@@ -1,0 +1,96 @@
+"""The linear head's cross entropy as one autograd function (checkpointing/linear_loss.py): the
+gradient of the checkpointed chunks, one weight gradient instead of one per chunk, and a simulated
+peak that is the measured one."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from microbatch.checkpointing import chunk_head, chunked_cross_entropy
+from microbatch.memory import MemoryTracker
+from microbatch.memory.device_specs import devices
+from microbatch.planner.planning import run_trial
+from microbatch.planner.search.sizes import Candidate
+from microbatch.profile.simulate import simulate_window
+
+CPU = devices()["cpu"].replace(context_bytes=0)
+VOCAB, WIDTH, TOKENS, CHUNK = 8192, 64, 512, 16
+
+
+class CheckpointedLinear(nn.Linear):
+    """An nn.Linear the fused function does not take: head.py's checkpoint per chunk runs it."""
+
+
+def _head_run(head_class: type[nn.Linear], *, autocast: bool) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(peak bytes of the loss's forward and backward, the weight's and the hidden states' gradients)."""
+    torch.manual_seed(0)
+    head = head_class(WIDTH, VOCAB)
+    hidden = torch.randn(TOKENS, WIDTH, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (TOKENS,))
+    targets[::7] = -100
+    with MemoryTracker("cpu") as tracker:
+        scaled = hidden * 1.0
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss, _ = chunked_cross_entropy(scaled, head, targets, chunk_tokens=CHUNK)
+        loss.backward()
+        del loss, scaled
+    assert head.weight.grad is not None and hidden.grad is not None
+    return tracker.peak_bytes, head.weight.grad, hidden.grad
+
+
+def test_fused_head_holds_one_weight_gradient_instead_of_one_per_chunk() -> None:
+    fused_peak, fused_weight, fused_hidden = _head_run(nn.Linear, autocast=False)
+    checkpointed_peak, weight, hidden = _head_run(CheckpointedLinear, autocast=False)
+    # float32: the same gradient up to the order of the sums over 32 chunks.
+    torch.testing.assert_close(fused_weight, weight, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_hidden, hidden, rtol=1e-5, atol=1e-6)
+    weight_bytes = VOCAB * WIDTH * 4  # 2 MiB; a chunk's logits are 0.5 MiB
+    assert fused_peak <= checkpointed_peak - weight_bytes, (fused_peak, checkpointed_peak)
+
+
+def test_fused_head_under_autocast_is_the_checkpointed_gradient_within_bfloat16_rounding() -> None:
+    _, fused_weight, fused_hidden = _head_run(nn.Linear, autocast=True)
+    _, weight, hidden = _head_run(CheckpointedLinear, autocast=True)
+    assert fused_weight.dtype == torch.float32  # the weight's own dtype, as autograd's cast back gives
+    # Both round each chunk's gradient of the bfloat16 weight to bfloat16 (eps 2^-8 relative) and
+    # sum 32 chunks; a few roundings of the largest entry apart at most.
+    scale = weight.abs().max()
+    torch.testing.assert_close(fused_weight, weight, rtol=0, atol=4 * 2**-8 * float(scale))
+    torch.testing.assert_close(fused_hidden, hidden, rtol=0, atol=4 * 2**-8 * float(hidden.abs().max()))
+
+
+def test_simulated_peak_of_the_chunked_head_is_the_measured_one() -> None:
+    hf = pytest.importorskip("microbatch.hf")
+    pytest.importorskip("transformers")
+    model = hf.tiny_llama(vocab_size=4096, hidden_size=32, max_length=64, tie_word_embeddings=True)
+    workload = hf.causal_lm_workload(model, hf.StdlibTextBatches(max_length=64, seed=0), name="tied-llama")
+    handle = chunk_head(model, tokens=32)
+    try:
+        names = [f"model.layers.{index}" for index in range(2)]
+        for policy in ("none", "full"):
+            policies = dict.fromkeys(names, policy)
+            sizes = (2, 2)
+            real = run_trial(workload, Candidate(sizes, tuple(policies.items()), 0, 0.0)).peak_bytes
+            simulated = simulate_window(workload, CPU, micro_batch_sizes=sizes, policies=policies).peak_bytes
+            assert simulated == pytest.approx(real, rel=0.03), (policy, simulated, real)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.slow
+def test_llama_3_2_1b_on_a_24_gib_card_plans_with_the_head_in_chunks(capsys: Any) -> None:
+    """Issue 34: refused at 23.85 GiB before the fused head (one weight gradient, chunks of 256)."""
+    pytest.importorskip("transformers")
+    from microbatch.cli import main
+
+    argv = ["plan", "llama-3.2-1b", "--device", "rtx4090", "--batch", "128", "--seq-len", "2048"]
+    code = main([*argv, "--precision", "mixed", "--memory", "23GiB", "--json", "--no-progress"])
+    assert code == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["predicted_peak_bytes"] <= 23 * 2**30
+    assert plan["head_chunk_tokens"] is not None
