@@ -56,9 +56,14 @@ def head_sizes(setup: Setup, wanted: Sequence[int] | None) -> tuple[int, ...]:
 
 
 def _rank(setup: Setup) -> tuple[bool, float, float]:
-    """(no plan fits, the best plan's seconds per step or inf, its peak or the smallest plan's)."""
+    """(no plan fits, the best plan's seconds per step or inf, its peak or the smallest plan's).
+
+    Without the optimizer step's temporaries: they are the same under every head, and the step's own
+    lever (step_choice.py, after this one) can remove them; were they counted, a step that binds would
+    hide what the head saves.
+    """
     result = search(
-        setup.profile,
+        dataclasses.replace(setup.profile, step_peak_bytes=0),
         per_rank_batch=setup.per_rank_batch,
         capacity_bytes=setup.model_budget_bytes,
         bytes_per_sample=setup.bytes_per_sample,
