@@ -138,3 +138,37 @@ def test_llama_3_1_8b_at_8192_tokens_saves_torchtitans_7_3_gib_at_the_same_step_
     )
     assert saved_bytes >= 7.3 * 2**30, (plain.peak_bytes, chosen.peak_bytes)
     assert chosen.seconds_per_step <= 1.01 * plain.seconds_per_step
+
+
+@pytest.mark.slow
+def test_tiny_llama_with_a_large_vocabulary_trains_larger_micro_batches_with_the_head_chosen() -> None:
+    """Issue 34, done when 2: a real transformers Llama (vocabulary 32,000, width 64, 256 tokens) at a
+    budget where the logits dominate (a sample's float32 logits are 31 MiB, its weights 16 MiB): the
+    plan with the head as a choice against the best without it (head=[]), both proved by their
+    trial window under MemoryTracker within the budget."""
+    hf = pytest.importorskip("microbatch.hf")
+    pytest.importorskip("transformers")
+    import microbatch as mb
+
+    budget_bytes = 300 * 10**6
+    plans = {}
+    for name, head in (("without", []), ("with", [256, 1024])):
+        torch.manual_seed(0)
+        model = hf.tiny_llama(vocab_size=32000, hidden_size=64, num_layers=1, max_length=257)
+        workload = hf.causal_lm_workload(
+            model, hf.StdlibTextBatches(max_length=257, seed=0), name="llama-32k"
+        )
+        plans[name] = mb.plan(
+            workload,
+            batch=16,
+            memory=budget_bytes,
+            head=head,
+            policies=["full"],
+            max_profile_micro_batch_size=4,
+            prefer_large_micro_batches=True,
+        )
+    without, chosen = plans["without"], plans["with"]
+    assert without.head_chunk_tokens is None and chosen.head_chunk_tokens in (256, 1024)
+    for plan in (without, chosen):
+        assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= budget_bytes
+    assert chosen.micro_batch_size >= 2 * without.micro_batch_size, (chosen, without)
