@@ -29,7 +29,7 @@ there. The loss is the sum of the chunks' sums in chunk order, as head.py's.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def linear_cross_entropy_head(head: Any) -> bool:
+def linear_cross_entropy_head(head: Any) -> TypeGuard[nn.Linear]:
     """Whether ``head`` is a plain ``nn.Linear`` over ordinary tensors (the fused backward applies)."""
     if type(head) is not nn.Linear:  # a LoRA-wrapped or otherwise changed head keeps the checkpoints
         return False
@@ -95,7 +95,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     """(sum over counted tokens of CE(W h_t + b, y_t)): see the module docstring."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
@@ -125,7 +125,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[Any, ...]:
         gradients: _Gradients | None = ctx.gradients
         if gradients is None:
             raise RuntimeError(
