@@ -172,3 +172,25 @@ def test_tiny_llama_with_a_large_vocabulary_trains_larger_micro_batches_with_the
     for plan in (without, chosen):
         assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= budget_bytes
     assert chosen.micro_batch_size >= 2 * without.micro_batch_size, (chosen, without)
+
+
+def test_fused_head_with_a_frozen_weight_gives_the_hidden_gradient_only() -> None:
+    """LoRA freezes the head: no weight gradient is made, the hidden states' is autograd's (float64)."""
+    torch.manual_seed(0)
+    head = nn.Linear(8, 50, bias=False).double().requires_grad_(False)
+    hidden = torch.randn(3, 11, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (3, 11))
+    targets[1, 2:6] = -100
+    want = torch.nn.functional.cross_entropy(
+        head(hidden).reshape(-1, 50), targets.reshape(-1), reduction="sum"
+    )
+    (expected,) = torch.autograd.grad(want, hidden)
+    got, count = chunked_cross_entropy(hidden, head, targets, chunk_tokens=4)
+    (actual,) = torch.autograd.grad(2.0 * got, hidden)  # a scaled loss scales the gradient
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(actual, 2.0 * expected, rtol=1e-10, atol=1e-12)
+    assert int(count) == 33 - 4 and head.weight.grad is None
+    with torch.no_grad():  # evaluation: the loss only, no gradient buffers
+        torch.testing.assert_close(
+            chunked_cross_entropy(hidden, head, targets, chunk_tokens=4)[0], want.detach()
+        )
