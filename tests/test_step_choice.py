@@ -108,6 +108,8 @@ def test_a_refusal_names_the_exact_levers_before_those_that_change_training() ->
     message = str(caught.value)
     exact, changing = message.index("Exact levers"), message.index("Levers that change the training")
     assert exact < message.index("FSDP over") < changing
+    # Exact, named with its saving, but not offered by microbatch (issue 34).
+    assert exact < message.index("CPU offload of the optimizer state (not offered by microbatch") < changing
     assert message.index("8-bit optimizer state") > changing
     assert message.count("[changes training]") == 2
     assert caught.value.minimum_bytes > 30 * 2**20

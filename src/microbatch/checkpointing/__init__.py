@@ -4,7 +4,7 @@ Owns ``checkpoint(model, blocks, policy)`` and its handle (``api``), finding rep
 (``auto_blocks``), running one checkpointed block (``recompute``: BatchNorm statistics updated
 once, caches never written twice, the same dropout masks), the selective policy (``selective``),
 CPU offload (``offload``), the forms each policy takes under torch.compile (``compiled``) and the
-loss head in chunks whose logits are recomputed in backward (``head``: ``chunk_head``).
+loss head in chunks, never all logits alive at once (``head``: ``chunk_head``; ``linear_loss``).
 
 May import: ``errors``, ``trees``, ``workload``. Never accumulation, the profile or the planner.
 Invariant: a checkpointed block gives the outputs, gradients and buffers of the plain block.

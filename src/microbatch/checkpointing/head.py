@@ -12,6 +12,9 @@ freed; backward recomputes them one chunk at a time (a non-reentrant ``torch.uti
 chunk), so at most one chunk's logits are ever alive. The gradient is the unchunked one up to the
 order of a sum (torchtitan's chunked loss, PR #996; TRL's ``chunked_nll``, PR #5575). The weighting
 is untouched: the loss returned is the same sum over counted tokens divided by the same count.
+A plain ``nn.Linear`` head (the usual one) takes linear_loss.py's function instead of the
+checkpoints: its gradients made chunk by chunk in forward, one weight gradient for all chunks and
+no recompute.
 
 ``chunk_head(model, tokens=c)`` installs it on the heads the project knows:
 
@@ -39,6 +42,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ..errors import ConfigError
+from .linear_loss import fused_linear_loss, linear_cross_entropy_head
 
 __all__ = ["HeadHandle", "chunk_head", "chunked_cross_entropy", "head_module", "head_of"]
 
@@ -70,7 +74,8 @@ def chunked_cross_entropy(
     """(sum of CE(head(hidden_t), targets_t) over counted t, the count), ``chunk_tokens`` at a time.
 
     ``hidden`` is (..., H) and ``targets`` (...) already shifted; ``head`` maps (n, H) to (n, V) logits
-    (an ``nn.Linear``, a LoRA-wrapped one, any module). Each chunk's logits are recomputed in backward.
+    (an ``nn.Linear``, a LoRA-wrapped one, any module). A plain ``nn.Linear`` makes its gradients
+    chunk by chunk in forward (linear_loss.py); another head recomputes each chunk in backward.
     """
     if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ConfigError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
@@ -82,9 +87,15 @@ def chunked_cross_entropy(
     flat_targets = targets.reshape(-1)
     if flat_targets.numel() == 0:
         raise ConfigError(f"targets {tuple(targets.shape)} hold no tokens: give the head at least one")
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    if linear_cross_entropy_head(head):  # one backward for all chunks: one weight gradient (linear_loss.py)
+        total = fused_linear_loss(
+            flat_hidden, head, flat_targets, chunk_tokens=chunk_tokens, ignore_index=ignore_index
+        )
+        return total, (flat_targets != ignore_index).sum()
     # split (not slicing): backward concatenates the chunks' gradients once instead of one full-size
     # zero-padded gradient per chunk.
-    parts = hidden.reshape(-1, hidden.shape[-1]).split(chunk_tokens)
+    parts = flat_hidden.split(chunk_tokens)
     losses = [
         torch_checkpoint(_chunk_loss, head, part, part_targets, ignore_index, use_reentrant=False)
         for part, part_targets in zip(parts, flat_targets.split(chunk_tokens), strict=True)

@@ -81,7 +81,7 @@ class PlanOptions:
     # Gradients clipped to this total norm once per window (Accumulator's max_grad_norm).
     max_grad_norm: float | None = None
     # The loss head in chunks of c tokens (planner/levers/head_choice.py): the sizes c to price
-    # beside no chunks. None: (1024,) when no plan fits without chunks, the model's head is one
+    # beside no chunks. None: (256, 1024, 4096) when no plan fits without chunks, the model's head is one
     # microbatch can chunk and its vocabulary is at least 16x its width (the logits dominate); (): never.
     head: Sequence[int] | None = None
     # With ``profile`` given: head_profile(c) is the same profile with the head in chunks of c tokens

@@ -1,13 +1,15 @@
 """The loss head as a plan choice: no chunks, or chunks of c tokens (checkpointing/head.py).
 
 The head's logits (tokens x vocabulary, and their float32 copies and gradients) can outweigh every
-block's activations; in chunks of c tokens at most c x vocabulary of them are alive, for one more
-forward of the projection in backward. Neither is free, so each is priced the way the blocks are:
+block's activations; in chunks of c tokens at most c x vocabulary of them are alive (a plain linear
+head makes its gradients chunk by chunk in forward, linear_loss.py; another head recomputes each
+chunk in backward). Small chunks run more, smaller kernels, so each is priced the way the blocks are:
 the workload is profiled (or simulated) with the head chunked, and the search over sizes and
 policies runs on each profile (by default, ``head=None``, only when no plan fits without chunks;
-``head=[c, ...]`` prices them always). The head whose best plan is fastest is chosen (a plan that fits
-beats none; when none fits, the one whose smallest plan needs least), no chunks on a tie within
-the profile's timing noise. While the rest of planning runs (the step lever, the trial) the chosen
+``head=[c, ...]`` prices them always). A head with a plan that fits beats one without; among those
+whose best plan is within HEAD_TIME_SHARE (or the profile's timing noise) of the fastest, the one
+whose best plan needs least memory is chosen; when none fits, the one whose smallest plan needs
+least; no chunks on a tie. While the rest of planning runs (the step lever, the trial) the chosen
 head stays installed on the model; it is removed when plan() returns, and ``plan.apply`` /
 ``fit_trainer`` install it from the plan.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 from ...checkpointing.head import chunk_head, head_module
@@ -26,7 +29,10 @@ from ..search.sizes import search
 
 logger = logging.getLogger("microbatch.planner.planning")
 
-AUTO_HEAD_CHUNKS = (1024,)
+AUTO_HEAD_CHUNKS = (256, 1024, 4096)  # TRL's chunked_nll (PR #5575) takes 256; torchtitan's #996 ~1,000
+# A chunked head whose best plan is at most this much slower than the fastest is taken when it needs
+# less memory (the issue's bound: torchtitan's chunked loss saved 7.3 GiB at unchanged tokens/s).
+HEAD_TIME_SHARE = 0.01
 # Chunk the head by default only where the logits dominate: a vocabulary at least this many times the
 # model's width (Llama 3: 128,256 / 4,096 = 31; GPT-2: 50,257 / 768 = 65; a byte-level GPT: 2).
 AUTO_VOCAB_PER_WIDTH = 16
@@ -49,24 +55,35 @@ def head_sizes(setup: Setup, wanted: Sequence[int] | None) -> tuple[int, ...]:
     return AUTO_HEAD_CHUNKS if vocabulary >= AUTO_VOCAB_PER_WIDTH * width else ()
 
 
-def _rank(setup: Setup) -> tuple[bool, float]:
-    """(no plan fits, then the best plan's seconds per step or the smallest plan's peak)."""
+def _rank(setup: Setup) -> tuple[bool, float, float]:
+    """(no plan fits, the best plan's seconds per step or inf, its peak or the smallest plan's).
+
+    Without the optimizer step's temporaries: they are the same under every head, and the step's own
+    lever (step_choice.py, after this one) can remove them; were they counted, a step that binds would
+    hide what the head saves.
+    """
     result = search(
-        setup.profile,
+        dataclasses.replace(setup.profile, step_peak_bytes=0),
         per_rank_batch=setup.per_rank_batch,
         capacity_bytes=setup.model_budget_bytes,
         bytes_per_sample=setup.bytes_per_sample,
         **setup.rules.search_options(),
     )
     if result.best is None:
-        return True, float(result.minimum.peak_bytes)
-    return False, result.best.seconds_per_step
+        return True, math.inf, float(result.minimum.peak_bytes)
+    return False, result.best.seconds_per_step, float(result.best.peak_bytes)
 
 
-def _better(new: tuple[bool, float], old: tuple[bool, float], noise: float) -> bool:
-    if new[0] != old[0]:
-        return not new[0]
-    return new[1] < old[1] * (1 - 2 * noise) if not new[0] else new[1] < old[1]
+def _choose(ranks: dict[int | None, tuple[bool, float, float]], noise: float) -> int | None:
+    """The head to plan with (None: no chunks), from each head's rank (see the module docstring)."""
+    fitting = {tokens: rank for tokens, rank in ranks.items() if not rank[0]}
+    if not fitting:  # the one whose smallest plan needs least; no chunks on a tie
+        return min(ranks, key=lambda tokens: (ranks[tokens][2], tokens is not None))
+    fastest = min(rank[1] for rank in fitting.values())
+    # Within the timing noise and HEAD_TIME_SHARE of the fastest, the least memory: a chunked head
+    # costs at most that share of the step and frees the rest of the budget.
+    near = [t for t, rank in fitting.items() if rank[1] <= fastest * (1 + max(2 * noise, HEAD_TIME_SHARE))]
+    return min(near, key=lambda tokens: (fitting[tokens][2], tokens is not None))
 
 
 @contextlib.contextmanager
@@ -78,9 +95,9 @@ def chosen_head(
     given = options.profile is not None
     sizes = head_sizes(setup, options.head) if not given or options.head_profile is not None else ()
     model = setup.workload.model
-    best, best_rank = setup, _rank(setup)
-    ranks = {"none": best_rank}
-    if options.head is None and not best_rank[0]:
+    ranks: dict[int | None, tuple[bool, float, float]] = {None: _rank(setup)}
+    candidates: dict[int | None, Setup] = {None: setup}
+    if options.head is None and not ranks[None][0]:
         sizes = ()  # auto: priced only when no plan fits without chunks (plans that fit stay as they were)
     for tokens in sizes:
         handle = chunk_head(model, tokens=tokens)
@@ -91,16 +108,17 @@ def chosen_head(
             candidate = prepare(dataclasses.replace(request, workload=setup.workload, options=chunked))
         finally:
             handle.remove()
-        rank = ranks[f"{tokens}"] = _rank(candidate)
-        if _better(rank, best_rank, setup.profile.time_noise):
-            best, best_rank = dataclasses.replace(candidate, head_chunk_tokens=tokens), rank
+        ranks[tokens] = _rank(candidate)
+        candidates[tokens] = dataclasses.replace(candidate, head_chunk_tokens=tokens)
+    chosen = _choose(ranks, setup.profile.time_noise)
+    best, best_rank = candidates[chosen], ranks[chosen]
     if best.head_chunk_tokens is None:
         if sizes:
             logger.info("planning %s: the loss head without chunks (%s)", model.__class__.__name__, ranks)
         yield best
         return
-    note = f"head: chunks of {best.head_chunk_tokens:,} tokens, each chunk's logits recomputed in backward"
-    if not best_rank[0] and ranks["none"][0]:
+    note = f"head: chunks of {best.head_chunk_tokens:,} tokens, never all logits alive at once"
+    if not best_rank[0] and ranks[None][0]:
         note += " (no plan fits without them)"
     best.notes.append(note)
     handle = chunk_head(model, tokens=best.head_chunk_tokens)

@@ -160,7 +160,7 @@ def options_line(plan: Plan) -> list[str]:
     made += [f"max_grad_norm={plan.max_grad_norm:g}"] if plan.max_grad_norm is not None else []
     lines = [f"  made with: {', '.join(made)}"] if made else []
     if plan.head_chunk_tokens is not None:  # exact levers (planner/levers/): the gradient is unchanged
-        lines.append(f"  head: chunks of {plan.head_chunk_tokens:,} tokens (logits recomputed in backward)")
+        lines.append(f"  head: chunks of {plan.head_chunk_tokens:,} tokens (never all logits alive at once)")
     if plan.optimizer_step is not None:
         lines.append(f"  optimizer step: {plan.optimizer_step} (the same update, fewer temporaries)")
     return lines
