@@ -8,6 +8,7 @@ gpt-nano); the other runs reuse its plan.json.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +34,19 @@ def _train(out: Path, *extra: str) -> tuple[dict[str, Any], list[dict[str, Any]]
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("peaks") / "planned"
+    # Module scope runs outside conftest's per-test logger restore: cli.main configures the package
+    # logger (no propagation), so put it back here or later modules' caplog sees nothing.
+    package_logger = logging.getLogger("microbatch")
+    handlers, level, propagate = list(package_logger.handlers), package_logger.level, package_logger.propagate
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         summary, metrics = _train(out, "--memory", str(BUDGET), "--steps", "12")
     finally:
         torch.set_num_threads(threads)
+        package_logger.handlers[:] = handlers
+        package_logger.setLevel(level)
+        package_logger.propagate = propagate
     return out, summary, metrics
 
 
