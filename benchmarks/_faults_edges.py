@@ -13,25 +13,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import faults  # benchmarks/faults.py
-from _faults_clear import clear_cases
+from _faults_clear import _case, clear_cases
 from _faults_runs import _lines, _popen_train, _wait_for
 from faults import TINY, Case, Ran, judged, python, snippet_outcome, train
 
 OWNER = "edges"
-
-
-def _case(cases: list[Case], name: str, expected: str, check: Callable[[], tuple[str, str]]) -> None:
-    began = time.perf_counter()
-    try:
-        outcome, detail = check()
-    except Exception as error:  # the harness's own failure is reported, not hidden
-        outcome, detail = "traceback", f"harness: {type(error).__name__}: {error}"[:160]
-    cases.append(Case(name, expected, outcome, detail[:160], time.perf_counter() - began, OWNER))
 
 
 def _steps(out: str) -> list[int]:
