@@ -263,19 +263,26 @@ def assemble(
         slack_bytes=_slack_bytes(measured, segments, static_bytes, base),
         profile_seconds=seconds,
         notes=tuple(notes),
-        time_noise=_time_noise(measured.timed_runs),
+        time_noise=time_noise(measured.timed_runs),
         reserved_overhead_bytes=overhead,
         peak_kind=kind,
         clock=clock,
     )
 
 
-def _time_noise(timed_runs: Mapping[tuple[str, int], Sequence[Run]]) -> float:
-    """The median over (policy, size) of the timed rounds' (max - min) / median seconds."""
-    spreads = []
+def time_noise(timed_runs: Mapping[tuple[str, int], Sequence[Run]]) -> float:
+    """How far the profile's times could move if it were profiled again: the median over (policy,
+    size) of the gap between the two fastest timed rounds, relative to the fastest.
+
+    The profile's times are each (policy, size)'s fastest round (fastest_runs), so what matters is
+    how well that minimum repeats, not the spread of every round: a loaded moment slows one round
+    and leaves the minimum where it was. When the two fastest rounds agree to within n, a further
+    round moves the minimum by at most about n (it can only lower it, and rarely by more than the
+    gap the two already show). 0.0 with fewer than two rounds.
+    """
+    gaps = []
     for runs in timed_runs.values():
-        seconds = [run.seconds for run in runs]
-        middle = statistics.median(seconds) if seconds else 0.0
-        if len(seconds) >= 2 and middle > 0:
-            spreads.append((max(seconds) - min(seconds)) / middle)
-    return statistics.median(spreads) if spreads else 0.0
+        seconds = sorted(run.seconds for run in runs)
+        if len(seconds) >= 2 and seconds[0] > 0:
+            gaps.append((seconds[1] - seconds[0]) / seconds[0])
+    return statistics.median(gaps) if gaps else 0.0

@@ -236,9 +236,9 @@ class Profile:
     slack_bytes: int = 0
     profile_seconds: float = 0.0
     notes: tuple[str, ...] = ()
-    # How far repeated timings of one micro-batch spread, relative to their median (the median of
-    # (max - min) / median over the timed runs): the planner treats predicted times closer than
-    # this as ties.
+    # How far the profile's (fastest-round) times could move if profiled again: the median gap
+    # between each run's two fastest timed rounds, relative (assemble.time_noise), after rounds
+    # were repeated until it settled (measure.py). The planner's ties are no wider than this.
     time_noise: float = 0.0
     # On CUDA (real or simulated): reserved minus live bytes of the profiled runs at each size
     # (profile/reserved.py), which turns the live-byte prediction into reserved bytes; None off CUDA.

@@ -23,8 +23,8 @@ from ..memory import device_memory_bytes
 from ..memory.oom import attempt, is_out_of_memory
 from ..workload import Workload
 from . import stash
-from .assemble import Measurements, assemble, gradient_bytes_by_segment
-from .clocks import WALL, clock_for
+from .assemble import Measurements, assemble, gradient_bytes_by_segment, time_noise
+from .clocks import AUTO, clock_note, profiling_clock
 from .costs import NONE, Profile
 from .routing import routing_note
 from .runs import measure_step, micro_batch_run, preserved_state
@@ -33,6 +33,9 @@ from .timeline import Run
 logger = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str, int, int], None]  # (what is running, runs done, runs in all)
+# Timed rounds are repeated until the fastest two of a typical (policy, size) agree to within this
+# fraction (or twice the rounds asked were run): the planner's ties are no wider than what is left.
+STABLE_NOISE = 0.01
 
 
 def default_micro_batch_sizes(max_micro_batch_size: int) -> tuple[int, ...]:
@@ -61,7 +64,7 @@ def profile_workload(
     repeats: int = 3,
     warmup: int = 0,
     progress: ProgressFn | None = None,
-    clock: str = WALL,
+    clock: str = AUTO,
     max_grad_norm: float | None = None,
 ) -> Profile:
     """Measure ``workload`` for the planner (see the package docstring).
@@ -71,15 +74,18 @@ def profile_workload(
     steady state after it. Then ``warmup`` untimed and ``repeats`` timed rounds run every
     (policy, size) once each, in turn, so that a slow moment of a shared machine hits every policy
     alike. Sizes that run out of memory are dropped. The batches come from the workload's
-    make_batch; the model is left as it was. ``clock``: "wall" or "cpu", what the times are read
-    from (clocks.py; "cpu" on a shared CPU machine with one torch thread). The step clips to
-    ``max_grad_norm`` as the plan's Accumulator will."""
+    make_batch; the model is left as it was. ``clock``: "auto" (default), "wall" or "cpu", what the
+    times are read from (clocks.py: "auto" is one thread's CPU time on a CPU device, the wall clock
+    elsewhere). The step clips to ``max_grad_norm`` as the plan's Accumulator will."""
     began = time.perf_counter()
     model, device = workload.model, workload.device
-    read_clock = clock_for(clock, device)
     sizes = _checked_sizes(micro_batch_sizes, max_micro_batch_size, repeats=repeats, warmup=warmup)
     found, chosen, notes = _blocks_and_policies(model, blocks, policies, device)
-    with preserved_state(model, optimizer=stash.optimizer_instance(workload)):
+    threads = torch.get_num_threads()
+    with (
+        profiling_clock(clock, device) as (clock_name, read_clock),
+        preserved_state(model, optimizer=stash.optimizer_instance(workload)),
+    ):
         model.train()
         model.zero_grad(set_to_none=True)
         optimizer = workload.make_optimizer()
@@ -99,10 +105,11 @@ def profile_workload(
         session.measure_time(warmup=warmup, repeats=repeats)
     if progress is not None:
         progress("done", session.total_runs, session.total_runs)
+    note = clock_note(clock_name, threads)
+    session.notes.extend([note] if note else [])
     measured = _measurements(session, step, type(optimizer).__name__, gradient_bytes_by_segment(model, found))
-    return assemble(
-        workload, device, measured, notes=session.notes, seconds=time.perf_counter() - began, clock=clock
-    )
+    seconds = time.perf_counter() - began
+    return assemble(workload, device, measured, notes=session.notes, seconds=seconds, clock=clock_name)
 
 
 def _measurements(
@@ -224,13 +231,25 @@ class _Session:
             self.memory_runs[policy, size] = steady
 
     def measure_time(self, *, warmup: int, repeats: int) -> None:
-        """Timed runs, round by round; each checkpoint's first (learning) call is not timed."""
+        """Timed runs, round by round; each checkpoint's first (learning) call is not timed.
+
+        After ``repeats`` timed rounds, more (up to ``repeats`` more) while the times have not
+        settled: while the two fastest rounds of a typical run differ by more than STABLE_NOISE
+        (assemble.time_noise), the planner could not tell plans that close apart."""
         for round_index in range(warmup + repeats):
-            for policy in list(self.policies):
-                try:
-                    self._time_round(policy, timed=round_index >= warmup)
-                except Exception as error:
-                    self.policy_failed(policy, error, whole=True)
+            self._round(timed=round_index >= warmup)
+        for _ in range(repeats):
+            if time_noise(self.timed_runs) <= STABLE_NOISE:
+                break
+            self.total_runs += len(self.policies) * len(self.sizes) + len(self.policies) - 1
+            self._round(timed=True)
+
+    def _round(self, *, timed: bool) -> None:
+        for policy in list(self.policies):
+            try:
+                self._time_round(policy, timed=timed)
+            except Exception as error:
+                self.policy_failed(policy, error, whole=True)
 
     def _time_round(self, policy: str, *, timed: bool) -> None:
         with self.applied(policy):
