@@ -75,7 +75,9 @@ def clock_note(name: str, threads: int) -> str | None:
     while torch ran ``threads`` threads outside the profile; None for the wall clock."""
     if name != CPU:
         return None
-    outside = f"; training runs on {threads} threads, so a step's wall time may be shorter" if threads > 1 else ""
+    outside = (
+        f"; training runs on {threads} threads, so a step's wall time may be shorter" if threads > 1 else ""
+    )
     return (
         "timed on the CPU clock of one thread (time.thread_time, torch on 1 thread while profiling): "
         f"predicted seconds are that thread's CPU seconds, which other processes do not inflate{outside}"

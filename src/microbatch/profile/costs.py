@@ -332,3 +332,58 @@ class Profile:
                 )
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+
+def profile_from_dict(data: Mapping[str, Any], *, time_noise: float = 0.0) -> Profile:
+    """The Profile that ``Profile.to_dict`` wrote (a recorded profile, for tests and benchmarks);
+    ``time_noise``, which to_dict does not hold, given apart."""
+
+    def fit(values: Mapping[str, Any]) -> Fit:
+        return Fit(
+            float(values["intercept"]),
+            float(values["slope"]),
+            tuple(int(size) for size in values["sizes"]),
+            tuple(float(value) for value in values["values"]),
+            bool(values["interpolate"]),
+            bool(values["line_beyond"]),
+        )
+
+    def cost(values: Mapping[str, Any]) -> PolicyCost:
+        first = ("first_kept_bytes", "first_peak_bytes")
+        firsts = [fit(values[name]) if name in values else None for name in first]
+        times = (fit(values["forward_seconds"]), fit(values["backward_seconds"]))
+        return PolicyCost(fit(values["kept_bytes"]), fit(values["peak_bytes"]), *times, *firsts)
+
+    segments = tuple(
+        SegmentProfile(
+            name=segment["name"],
+            is_block=bool(segment["is_block"]),
+            costs={policy: cost(values) for policy, values in segment["costs"].items()},
+            boundary_bytes=fit(segment["boundary_bytes"]),
+            gradient_bytes=int(segment["gradient_bytes"]),
+            freed_input_bytes=fit(segment["freed_input_bytes"]),
+        )
+        for segment in data["segments"]
+    )
+    overhead = data.get("reserved_overhead_bytes")
+    return Profile(
+        name=str(data["name"]),
+        device=str(data["device"]),
+        optimizer_name=str(data["optimizer_name"]),
+        peak_kind=str(data["peak_kind"]),
+        clock=str(data["clock"]),
+        parameter_bytes=int(data["parameter_bytes"]),
+        gradient_bytes=int(data["gradient_bytes"]),
+        optimizer_bytes=int(data["optimizer_bytes"]),
+        micro_batch_sizes=tuple(int(size) for size in data["micro_batch_sizes"]),
+        segments=segments,
+        base_bytes=fit(data["base_bytes"]),
+        step_peak_bytes=int(data["step_peak_bytes"]),
+        step_seconds=float(data["step_seconds"]),
+        loop_seconds=fit(data["loop_seconds"]),
+        slack_bytes=int(data["slack_bytes"]),
+        profile_seconds=float(data["profile_seconds"]),
+        notes=tuple(data["notes"]),
+        time_noise=time_noise,
+        reserved_overhead_bytes=fit(overhead) if overhead is not None else None,
+    )

@@ -61,6 +61,7 @@ SPLIT_TOLERANCE = 1e-9  # relative: predicted times this close are the same time
 # anyway: a coin flip between plans 2 % apart costs less than always taking the slower one.
 MAX_TIE_FRACTION = 0.02
 
+
 @dataclass(frozen=True)
 class SearchResult:
     best: Candidate | None  # the chosen candidate within the capacity (see choose); None when nothing fits
