@@ -211,7 +211,7 @@ def test_progress_is_reported() -> None:
     )
     # Memory: per size, none once and each of full, selective twice (first call, steady state).
     # Time: per round, every (policy, size) once plus each checkpoint's untimed first call.
-    # Rounds beyond the two asked (up to two more) run while the times have not settled
+    # Rounds beyond the two asked (up to measure.EXTRA_ROUNDS = 2 more) run while the times have not settled
     # (measure.STABLE_NOISE), each announced by a larger total before it runs.
     total = 2 * (1 + 2 * 2) + 2 * (3 * 2 + 2)
     last = calls[-1][2]
