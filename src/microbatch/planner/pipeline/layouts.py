@@ -15,7 +15,7 @@ it sends and receives, interconnect latency + bytes / bandwidth) in each of the 
 pipeline step (m micro-batches plus the S - 1 of filling and draining: the bubble), then the
 optimizer step, the gradient sum over the replicas of the slowest stage, and the window's few small
 collectives (WINDOW_COLLECTIVES). Ties (predicted times
-within the profile's settled noise, at most 2 %: search.tie_for_noise) go to less recompute, then 1F1B, then
+within 2 x the profile's noise, 5-8 %: search.tie_for_noise) go to less recompute, then 1F1B, then
 the larger micro-batch and m.
 """
 

@@ -51,7 +51,7 @@ def _better(bold: Candidate, safe: Candidate, rules: SplitRules, tie: float) -> 
     """Faster beyond the noise, or a tie in time that the search's tie order puts first (no more
     recomputation, a larger micro-batch or fewer steps): on a noisy machine 8 x 8 and 7 x 9 + 1 tie.
 
-    The tie is the profile's settled noise, at most 2 % (search/sizes.py): a hand strategy a hair
+    The tie is 2 x the profile's noise, 5-8 % (search/sizes.py): a hand strategy a hair
     over the budget with the margin and predicted faster than that (every block full at its largest
     micro-batch, 10-22 % faster in issue 32) gets its trial. Any smaller gain would not: a trial
     for every plan a hair faster would let the noise pick between two plans from run to run."""
