@@ -29,19 +29,18 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import distributed
-from ..checkpointing.api import BlockSpec
 from ..checkpointing.compiled import eager_workload
 from ..errors import InfeasibleBudgetError, MicrobatchError
 from ..memory import format_bytes
 from ..memory.allocator import allocator_capacity
 from ..memory.device_specs import DeviceSpec
 from ..memory.oom import attempt
-from ..profile import Profile, ProgressFn, profile_workload
+from ..profile import Profile, profile_workload
 from ..workload import Workload, load_workload
 from .levers.exact import search_with_levers
 from .levers.head_choice import chosen_head
@@ -61,6 +60,7 @@ from .refusals import (
     validate_batch,
 )
 from .result.plans import Plan, summarize_policies
+from .search.extend import extend_profile
 from .search.rules import SplitRules, even_batch, only_policies, profile_with_rules
 from .search.sizes import Candidate, SearchResult, search
 from .target.reserve import outside_the_model
@@ -79,40 +79,6 @@ def _attempt(workload: Workload, candidate: Candidate, options: PlanOptions) -> 
         max_grad_norm=options.max_grad_norm,
     )
     return attempt(lambda: run(workload, candidate), workload.device)
-
-
-def _extend_profile(
-    workload: Workload,
-    profile: Profile,
-    *,
-    per_rank_batch: int,
-    capacity_bytes: int,
-    blocks: BlockSpec,
-    policies: Sequence[str] | None,
-    progress: ProgressFn | None,
-    rules: SplitRules | None = None,
-    profiler: Callable[..., Profile] = profile_workload,
-) -> Profile:
-    """The profile again, up to the micro-batch the search chooses, when that is beyond the sizes measured.
-
-    Costs fitted on small micro-batches do not extrapolate to large ones (kernels leave the
-    launch-bound regime, attention switches backends), so a choice beyond the profiled sizes is
-    measured before it is trusted. Only a size the budget allows is profiled: the search chose it.
-    """
-    rules = rules or SplitRules()
-    options = rules.search_options()
-    best = search(profile, per_rank_batch=per_rank_batch, capacity_bytes=capacity_bytes, **options).best
-    measured_up_to = max(profile.micro_batch_sizes, default=0)
-    if best is None or best.micro_batch_size <= measured_up_to:
-        return profile
-    logger.info(
-        "the search chose micro-batch %d, beyond the profiled sizes (up to %d): profiling up to it",
-        best.micro_batch_size,
-        measured_up_to,
-    )
-    size = best.micro_batch_size  # sizes no smaller than the rules allow
-    options = {"blocks": blocks, "policies": policies, "progress": progress}
-    return profile_with_rules(profiler, workload, rules, size, size, **options)
 
 
 def plan(
@@ -308,13 +274,12 @@ def _profile(
             profile.profile_seconds,
         )
     if extend:
-        profile = _extend_profile(
+        profile = extend_profile(
             workload,
             profile,
             per_rank_batch=per_rank_batch,
             capacity_bytes=capacity_bytes,
             blocks=options.blocks,
-            policies=options.policies,
             progress=options.progress,
             rules=rules,
             profiler=_real_profiler(options),
