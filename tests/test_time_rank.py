@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from microbatch.planner.search import extend
 from microbatch.planner.search.hand import hand_candidates, hand_strategies
 from microbatch.planner.search.pricing import Candidate, Model
 from microbatch.planner.search.sizes import MAX_TIE_FRACTION, MIN_TIE_FRACTION, choose, search, tie_for_noise
@@ -164,3 +165,29 @@ def test_hand_strategies_are_always_candidates_at_their_largest_fitting_size() -
             p.seconds_per_step <= hand.seconds_per_step and p.peak_bytes <= hand.peak_bytes
             for p in result.frontier
         )
+
+
+def test_an_extended_profile_keeps_the_other_policies_on_its_own_clock_reading() -> None:
+    # The extension profile (search/extend.py) measures only the choice's policies; the others are
+    # carried over from the first profile with their times scaled by the sessions' "none" ratio.
+    first, _ = load_recording("time_rank_gpt_mini.json")
+    ratio = 1.1  # the second session's clock read 10 % higher
+
+    def none_only(segment: Any) -> Any:
+        costs = {NONE: extend._scaled(segment.costs[NONE], ratio)}
+        return dataclasses.replace(segment, costs=costs) if segment.is_block else segment
+
+    second = dataclasses.replace(first, segments=tuple(none_only(s) for s in first.segments))
+    assert all(set(block.policies) == {NONE} for block in second.blocks)
+    assert extend.session_ratio(second, first) == pytest.approx(ratio)
+    merged = extend.carried_over(second, first)
+    size = max(first.micro_batch_sizes)
+    for block, old in zip(merged.blocks, first.blocks, strict=True):
+        assert set(block.policies) == set(old.policies) and len(old.policies) > 1
+        for policy, cost in block.costs.items():
+            before = old.costs[policy]
+            assert cost.seconds(size) == pytest.approx(before.seconds(size) * ratio)
+            assert cost.peak(size) == before.peak(size) and cost.kept(size) == before.kept(size)
+    # Nothing shared to compare: the times are taken as they are.
+    unshared = dataclasses.replace(second, micro_batch_sizes=(size + 1,))
+    assert extend.session_ratio(unshared, first) == 1.0
