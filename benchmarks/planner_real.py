@@ -45,6 +45,7 @@ from microbatch.accumulate.accumulator import Accumulator
 from microbatch.checkpointing.api import checkpoint
 from microbatch.memory import MemoryTracker, format_bytes
 from microbatch.models.workloads import gpt_workload
+from microbatch.planner import Plan
 from microbatch.planner.result.plans import summarize_policies
 from microbatch.planner.search.hand import hand_strategies
 from microbatch.planner.search.pricing import Model
@@ -58,11 +59,24 @@ Config = tuple[tuple[int, ...], dict[str, str]]  # micro-batch sizes, policy per
 
 def workloads() -> dict[str, Callable[[], mb.Workload]]:
     def bert() -> mb.Workload:
+        # A masked LM: 15 % of the tokens masked (id 0) and predicted; the loss is the mean over them.
         from microbatch.hf import tiny_bert
-        from microbatch.hf.tiny import _tiny_workload
 
         model = tiny_bert(num_layers=4, hidden_size=64, num_heads=4, max_length=64)
-        return _tiny_workload(model, "tiny-bert", max_length=64)
+        generator = torch.Generator().manual_seed(0)
+
+        def make_batch(size: int) -> dict[str, torch.Tensor]:
+            ids = torch.randint(1, 256, (size, 64), generator=generator)
+            masked = torch.rand(size, 64, generator=generator) < 0.15
+            masked[:, 0] = True  # at least one predicted token per row
+            return {"input_ids": ids.masked_fill(masked, 0), "labels": ids.masked_fill(~masked, -100)}
+
+        def loss(module: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+            labels = batch["labels"]
+            return module(**batch).loss, (labels != -100).sum()
+
+        adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)  # noqa: E731
+        return mb.Workload(model, make_batch, loss, optimizer=adamw, name="tiny-bert")
 
     from microbatch.hf import tiny_gpt2_workload, tiny_llama_workload
 
@@ -74,23 +88,31 @@ def workloads() -> dict[str, Callable[[], mb.Workload]]:
     }
 
 
-def window_seconds(work: mb.Workload, config: Config, optimizer: torch.optim.Optimizer) -> float:
-    """One whole window of ``config`` on the workload's model, timed by the thread's CPU clock."""
-    sizes, policies = config
-    handle = checkpoint(work.model, policy=policies) if any(p != NONE for p in policies.values()) else None
+def window_seconds(work: mb.Workload, config: Config | Plan, optimizer: torch.optim.Optimizer) -> float:
+    """One whole window of ``config`` (a Plan: as ``plan.apply`` runs it, its exact levers included)
+    on the workload's model, timed by the thread's CPU clock."""
+    plan = config if isinstance(config, Plan) else None
+    sizes, policies = (tuple(plan.micro_batch_sizes), {}) if plan is not None else config
+    recomputes = any(p != NONE for p in policies.values())
+    handle = checkpoint(work.model, policy=policies) if recomputes else None
     try:
         batches = [work.make_batch(size) for size in sizes]
-        accumulator = Accumulator(work.model, optimizer, steps=len(sizes))
+        if plan is not None:
+            accumulator = plan.apply(work.model, optimizer)
+        else:
+            accumulator = Accumulator(work.model, optimizer, steps=len(sizes))
         started = time.thread_time()
         train_window(work, accumulator, iter(batches))
         return time.thread_time() - started
     finally:
         if handle is not None:
             handle.remove()
+        if plan is not None:
+            plan.remove(work.model)
         work.model.zero_grad(set_to_none=True)
 
 
-def window_peak(work: mb.Workload, config: Config, optimizer: torch.optim.Optimizer) -> int:
+def window_peak(work: mb.Workload, config: Config | Plan, optimizer: torch.optim.Optimizer) -> int:
     with MemoryTracker(torch.device("cpu"), model=work.model, optimizer=optimizer) as tracker:
         window_seconds(work, config, optimizer)
     return int(tracker.peak_bytes)
@@ -131,10 +153,13 @@ def cell(work: mb.Workload, model: Model, batch: int, budget: int, rounds: int) 
     started = time.perf_counter()
     plan = mb.plan(work, batch=batch, memory=budget)
     planning_seconds = time.perf_counter() - started
-    plan_config: Config = (tuple(plan.micro_batch_sizes), dict(plan.block_policies))
-    plan_peak = window_peak(work, plan_config, optimizer)
+    window_seconds(work, plan, optimizer)  # the optimizer's state exists from here on, as in training
+    plan_peak = window_peak(work, plan, optimizer)
     hands = hand_configs(work, model, batch, budget, optimizer)
-    configs = {"plan": plan_config, **{name: config for name, (config, _) in hands.items()}}
+    configs: dict[str, Config | Plan] = {
+        "plan": plan,
+        **{name: config for name, (config, _) in hands.items()},
+    }
     times: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(rounds + 1):  # the first round warms each configuration up: not counted
         for name, config in configs.items():
@@ -152,7 +177,7 @@ def cell(work: mb.Workload, model: Model, batch: int, budget: int, rounds: int) 
         "plan_seconds": statistics.median(counted["plan"]),
         "plan_peak_bytes": plan_peak,
         "planning_seconds": planning_seconds,
-        "best_hand": None if best is None else f"{best} at {configs[best][0][0]}",
+        "best_hand": None if best is None else f"{best} at {hands[best][0][0][0]}",
         "best_hand_seconds": None if best is None else statistics.median(counted[best]),
         "hand_peaks": {name: peak for name, (_, peak) in hands.items()},
         "ratio": statistics.median(ratios) if ratios else None,
@@ -235,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         "planner_real", argv if argv is not None else sys.argv[1:], json_mode=args.json
     )
     return results.emit(
-        SECTION_TITLE, markdown(report, command), report, json_mode=args.json, write=args.write
+        SECTION_TITLE, markdown(report, command), report, json_mode=args.json, write=not args.no_write
     )
 
 
