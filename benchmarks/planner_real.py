@@ -176,6 +176,8 @@ def cell(work: mb.Workload, model: Model, batch: int, budget: int, rounds: int) 
         "plan": f"{plan.micro_batch_size} x {plan.steps}, {summarize_policies(plan.block_policies)}",
         "plan_seconds": statistics.median(counted["plan"]),
         "plan_peak_bytes": plan_peak,
+        "plan_trial_peak_bytes": plan.measured_peak_bytes,  # the planner's trial: 2 micro-batches
+        "plan_predicted_peak_bytes": plan.predicted_peak_bytes,
         "planning_seconds": planning_seconds,
         "best_hand": None if best is None else f"{best} at {hands[best][0][0][0]}",
         "best_hand_seconds": None if best is None else statistics.median(counted[best]),
