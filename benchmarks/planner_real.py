@@ -88,19 +88,30 @@ def workloads() -> dict[str, Callable[[], mb.Workload]]:
     }
 
 
-def window_seconds(work: mb.Workload, config: Config | Plan, optimizer: torch.optim.Optimizer) -> float:
+def config_sizes(config: Config | Plan) -> tuple[int, ...]:
+    return tuple(config.micro_batch_sizes) if isinstance(config, Plan) else config[0]
+
+
+def window_seconds(
+    work: mb.Workload,
+    config: Config | Plan,
+    optimizer: torch.optim.Optimizer,
+    batches: list[Any] | None = None,
+) -> float:
     """One whole window of ``config`` (a Plan: as ``plan.apply`` runs it, its exact levers included)
-    on the workload's model, timed by the thread's CPU clock."""
+    on the workload's model, timed by the thread's CPU clock. ``batches``: the window's micro-batches,
+    made here when not given."""
     plan = config if isinstance(config, Plan) else None
-    sizes, policies = (tuple(plan.micro_batch_sizes), {}) if plan is not None else config
+    policies = {} if plan is not None else config[1]
     recomputes = any(p != NONE for p in policies.values())
     handle = checkpoint(work.model, policy=policies) if recomputes else None
     try:
-        batches = [work.make_batch(size) for size in sizes]
+        if batches is None:
+            batches = [work.make_batch(size) for size in config_sizes(config)]
         if plan is not None:
             accumulator = plan.apply(work.model, optimizer)
         else:
-            accumulator = Accumulator(work.model, optimizer, steps=len(sizes))
+            accumulator = Accumulator(work.model, optimizer, steps=len(batches))
         started = time.thread_time()
         train_window(work, accumulator, iter(batches))
         return time.thread_time() - started
@@ -113,8 +124,12 @@ def window_seconds(work: mb.Workload, config: Config | Plan, optimizer: torch.op
 
 
 def window_peak(work: mb.Workload, config: Config | Plan, optimizer: torch.optim.Optimizer) -> int:
+    """The tracked peak of one window and its step. The micro-batches are made before the tracker
+    starts, as a data loader hands them over: made inside, the tracker would count the whole corpus
+    a batch is sliced from (gpt-mini's 3.8 MB of text) as a live tensor of the window."""
+    batches = [work.make_batch(size) for size in config_sizes(config)]
     with MemoryTracker(torch.device("cpu"), model=work.model, optimizer=optimizer) as tracker:
-        window_seconds(work, config, optimizer)
+        window_seconds(work, config, optimizer, batches)
     return int(tracker.peak_bytes)
 
 

@@ -100,10 +100,11 @@ def _candidate(seconds: float, *, micro: int = 4, policies: tuple[tuple[str, str
 
 
 def test_a_tie_is_twice_the_noise_within_the_floor_and_the_cap() -> None:
-    # The floor: the spread of predictions between separate profiles (search/sizes.py, 4.5 % measured);
-    # the cap: what a tie may give away whatever the noise (issue 32: 25 % gave away up to 22 %).
-    assert tie_for_noise(0.0) == MIN_TIE_FRACTION == 0.05
-    assert tie_for_noise(0.03) == pytest.approx(0.06)
+    # The floor: the spread of predictions between separate profiles (search/sizes.py, 4.5 % measured)
+    # and a margin; the cap: what a tie may give away whatever the noise (issue 32: 25 % gave away up to
+    # 22 %).
+    assert tie_for_noise(0.0) == MIN_TIE_FRACTION == 0.06
+    assert tie_for_noise(0.035) == pytest.approx(0.07)
     assert tie_for_noise(18.3) == MAX_TIE_FRACTION <= 0.08
     fast = _candidate(1.00, policies=(("b0", "full"),))  # recomputes: last in the tie order
     slower = _candidate(1.04)  # no recompute: first in the tie order

@@ -21,7 +21,7 @@ predictions move further: gpt-mini at batch 8 within 20 MiB, profiled 8 times on
 (load 2.5-4.5, one thread's CPU clock), had n = 1.1-4.6 % while the same three plans (3 + 3 + 2
 without checkpointing, 4 x 2 with one block full, 8 x 1 with three) took turns as the fastest,
 each up to 4.5 % behind in some profile. So plans whose predicted times differ by at most
-``tie_for_noise(n)``, 2 n but never less than MIN_TIE_FRACTION (that spread) nor more than
+``tie_for_noise(n)``, 2 n but never less than MIN_TIE_FRACTION (that spread and a margin) nor more than
 MAX_TIE_FRACTION, are not told apart: every fitting plan within that fraction of the fastest is
 a tie, broken by a fixed rule (``tie_key``): fewer recomputed FLOPs (each checkpointed block weighs
 by the share of its forward it recomputes, RECOMPUTE_FLOOR), then the larger micro-batch, then
@@ -59,8 +59,10 @@ __all__ = [
 FRONTIER_POINTS = 256  # per micro-batch size
 SPLIT_TOLERANCE = 1e-9  # relative: predicted times this close are the same time (see _split)
 # Ties are at least this wide: the spread of predicted times between separate profiles (up to
-# 4.5 % on 2 loaded cores, above), which one profile's noise underestimates.
-MIN_TIE_FRACTION = 0.05
+# 4.5 % on 2 loaded cores, above), which one profile's noise underestimates, and a margin: at 5 %
+# gpt-mini's 3 + 3 + 2 without checkpointing, 4.5-4.9 % behind the fastest in most profiles, fell
+# out of the tie once in 30 plans under pytest at load 2-3 (tests/test_planner.py's noisy-machine test).
+MIN_TIE_FRACTION = 0.06
 # ... and never wider than this, whatever the noise. A tie gives away up to its width in predicted
 # time to buy determinism (at 25 %, up to 22 % measured; issue 32); the hand strategies bound it
 # too (a tie never picks a plan predicted slower than one of them).
