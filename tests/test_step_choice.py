@@ -13,7 +13,7 @@ from microbatch.errors import ConfigError
 from microbatch.memory.device_specs import device_spec
 from microbatch.models import GPT, GPTConfig
 from microbatch.models.workloads import gpt_loss
-from microbatch.planner import Plan
+from microbatch.planner import Plan, PlanOptions
 from microbatch.planner.levers.step_choice import measured_step
 from microbatch.planner.result.applying import set_step_, supported_steps
 from microbatch.workload import Workload
@@ -118,3 +118,19 @@ def test_a_refusal_names_the_exact_levers_before_those_that_change_training() ->
 def _peak(found: tuple[int, float] | None) -> int:
     assert found is not None, "the simulated step ran out of memory"
     return found[0]
+
+
+def test_exact_levers_off_plans_as_before_them() -> None:
+    # The comparison issue 34's table draws: the same request without the head's chunks, the step's
+    # other implementations, or the levers named in the refusal.
+    workload = _llama_like(vocab=32768, width=32)
+    with pytest.raises(mb.InfeasibleBudgetError) as caught:
+        mb.plan(workload, batch=2, memory="34MiB", trial=False, policies=["full"], exact_levers=False)
+    assert "Exact levers" not in str(caught.value)
+    assert "[changes training]" not in str(caught.value)
+    chosen = mb.plan(workload, batch=2, memory="34MiB", trial=False, policies=["full"], head=[16])
+    assert chosen.head_chunk_tokens == 16
+    with pytest.raises(ConfigError, match="exact_levers=False"):
+        mb.plan(workload, batch=2, memory="34MiB", trial=False, head=[16], exact_levers=False)
+    with pytest.raises(ConfigError, match="exact_levers must be True or False"):
+        PlanOptions(exact_levers="no")  # type: ignore[arg-type]

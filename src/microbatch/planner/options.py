@@ -87,6 +87,9 @@ class PlanOptions:
     # With ``profile`` given: head_profile(c) is the same profile with the head in chunks of c tokens
     # (the CLI's simulated architectures); without it a given profile keeps its head.
     head_profile: Callable[[int], Profile] | None = None
+    # False: the planner without its exact levers (planner/levers/): no head chunks, the optimizer's
+    # own step, and a refusal that names no lever; what it planned before them, for comparisons.
+    exact_levers: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("world_size", self.world_size)
@@ -127,6 +130,11 @@ class PlanOptions:
                 )
             for tokens in self.head:
                 _positive_int("head (tokens per chunk)", tokens)
+            if self.head and not self.exact_levers:
+                raise ConfigError(
+                    f"head={list(self.head)} with exact_levers=False: the head's chunks are an exact lever; "
+                    "leave head out or set exact_levers=True"
+                )
         names = (
             "trial",
             "gradient_as_bucket_view",
@@ -134,6 +142,7 @@ class PlanOptions:
             "prefer_large_micro_batches",
             "simulate",
             "scaler",
+            "exact_levers",
         )
         for name in names:
             if not isinstance(getattr(self, name), bool):

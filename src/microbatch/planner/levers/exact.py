@@ -23,7 +23,12 @@ Result = TypeVar("Result")
 def search_with_levers(
     search_and_prove: Callable[[Setup, PlanRequest], Result], setup: Setup, request: PlanRequest
 ) -> tuple[Setup, Result]:
-    """``search_and_prove(setup, request)``; when it finds no plan, again with a leaner optimizer step."""
+    """``search_and_prove(setup, request)``; when it finds no plan, again with a leaner optimizer step.
+
+    With ``exact_levers=False`` (PlanOptions): the search alone, its refusal as it is.
+    """
+    if not request.options.exact_levers:
+        return setup, search_and_prove(setup, request)
     try:
         return setup, search_and_prove(setup, request)
     except InfeasibleBudgetError as error:

@@ -93,7 +93,8 @@ def chosen_head(
     """The setup with the chosen head, the head installed on the model for the ``with`` block."""
     options = request.options
     given = options.profile is not None
-    sizes = head_sizes(setup, options.head) if not given or options.head_profile is not None else ()
+    chunkable = options.exact_levers and (not given or options.head_profile is not None)
+    sizes = head_sizes(setup, options.head) if chunkable else ()
     model = setup.workload.model
     ranks: dict[int | None, tuple[bool, float, float]] = {None: _rank(setup)}
     candidates: dict[int | None, Setup] = {None: setup}
