@@ -1,0 +1,265 @@
+"""The consumer-GPU table (issue 34): Llama 3.x fine-tuning on an RTX 4090 and an A100 40 GB, simulated.
+
+Full fine-tuning (precision "mixed": float32 weights, gradients and AdamW state, bf16 autocast, as
+the issue's command) and LoRA (rank LORA_RANK on every attention and MLP projection through peft,
+bfloat16 frozen base weights: what torchtune and unsloth run) of llama-3.2-1b, llama-3.2-3b and
+llama-3.1-8b at 2,048 and 8,192 tokens a sequence, 262,144 tokens a step (128 and 32 sequences), on
+the rtx4090 and a100-40gb presets, each planned twice from one simulated profile:
+
+- **before**: ``exact_levers=False``, the planner before issue 34 (no loss head in chunks, the
+  optimizer's own step, a refusal that names no exact lever);
+- **after**: as ``microbatch plan`` plans today (the head in chunks and the step's implementation as
+  choices, refusals that name the exact levers first).
+
+Cells run one at a time and each is kept in ``--rows`` (benchmarks/consumer_rows.json) as it ends, so
+a partial run is not lost; a cell already there is not run again unless ``--rerun``. ``--only``
+picks cells by substring ("1b/full/2048/rtx4090"); ``--dry-run`` lists the cells and rewrites the
+section from the rows kept; ``--quick`` (``microbatch bench --quick``) runs none. What people report on such cards is in _consumer_reported.py.
+
+    flock /tmp/microbatch-heavy.lock env PYTHONPATH=src python benchmarks/consumer.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import _consumer_reported as reported
+import results
+
+ROWS_PATH = Path(__file__).resolve().parent / "consumer_rows.json"
+TITLE = "Consumer GPUs: Llama 3.x fine-tuning before and after the exact levers (issue 34)"
+MODELS = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b")
+TRAININGS = ("full", "lora")
+# One step's tokens at each length: 128 x 2,048 = 32 x 8,192 = 262,144.
+BATCHES = {2048: 128, 8192: 32}
+# Each card's memory less about 1 GiB for what no plan controls (the issue's 23GiB on a 24 GiB card).
+BUDGETS = {"rtx4090": "23GiB", "a100-40gb": "39GiB"}
+LORA_RANK = 16
+PRECISIONS = {"full": "mixed", "lora": "bf16"}
+# What a refusal names, in the words the planner uses (before issue 34 and after).
+LEVERS = {
+    "chunked head": r"loss head in chunks",
+    "fused step": r"fused optimizer step",
+    "FSDP": r"FSDP over \d+ ranks|FSDP across more ranks",
+    "CPU offload": r"CPU offload",
+    "8-bit optimizer": r"8-bit optimizer",
+    "stateless optimizer": r"stateless",
+    "LoRA / frozen parameters": r"LoRA|frozen parameters",
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    training: str
+    seq_len: int
+    device: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}/{self.training}/{self.seq_len}/{self.device}"
+
+    @property
+    def batch(self) -> int:
+        return BATCHES[self.seq_len]
+
+
+def cells() -> list[Cell]:
+    """Every cell in the order they run (_cost_order)."""
+    every = [
+        Cell(model, training, seq_len, device)
+        for model in MODELS
+        for training in TRAININGS
+        for seq_len in BATCHES
+        for device in BUDGETS
+    ]
+    return sorted(every, key=_cost_order)
+
+
+def _cost_order(cell: Cell) -> tuple[bool, bool, int]:
+    """The issue's case first, then the full fine-tunes the weights alone refuse (cheap), then by size."""
+    cheap = cell.training == "full" and cell.model != "llama-3.2-1b"
+    return (cell.key != "llama-3.2-1b/full/2048/rtx4090", not cheap, MODELS.index(cell.model))
+
+
+def outcome(plan_or_error: Any, cell: Cell) -> dict[str, Any]:
+    """A plan's split, checkpointing, head, step, peak and tokens/s; or a refusal and what it names."""
+    from microbatch.errors import InfeasibleBudgetError
+    from microbatch.planner.result.text import summarize_policies
+
+    if isinstance(plan_or_error, InfeasibleBudgetError):
+        message = str(plan_or_error)
+        return {
+            "refused": True,
+            "first_line": message.split(". ")[0][:300],
+            "levers": [name for name, pattern in LEVERS.items() if re.search(pattern, message)],
+            "minimum_bytes": plan_or_error.minimum_bytes,
+            "message": message,
+        }
+    plan = plan_or_error
+    return {
+        "refused": False,
+        "micro_batch_size": plan.micro_batch_size,
+        "steps": plan.steps,
+        "checkpointing": summarize_policies(list(plan.policies.items())),
+        "head_chunk_tokens": plan.head_chunk_tokens,
+        "optimizer_step": plan.optimizer_step,
+        "predicted_peak_bytes": plan.predicted_peak_bytes,
+        "tokens_per_second": cell.batch * cell.seq_len / plan.predicted_seconds_per_step,
+    }
+
+
+def _planned(workload: Any, cell: Cell, **options: Any) -> dict[str, Any]:
+    import microbatch as mb
+    from microbatch.memory.device_specs import device_spec
+
+    try:
+        plan = mb.plan(
+            workload,
+            batch=cell.batch,
+            memory=BUDGETS[cell.device],
+            device=device_spec(cell.device),
+            **options,
+        )
+    except mb.InfeasibleBudgetError as error:
+        return outcome(error, cell)
+    return outcome(plan, cell)
+
+
+def run_cell(cell: Cell) -> dict[str, Any]:
+    """Before and after for one cell, from one simulated profile (none when the weights alone refuse)."""
+    from microbatch.errors import InfeasibleBudgetError
+    from microbatch.hf.configs import ModelSetup, config_workload, simulate_config_profile
+    from microbatch.memory import parse_bytes
+    from microbatch.memory.device_specs import device_spec
+    from microbatch.planner.refusals import refuse_budget_below_weights
+
+    began = time.perf_counter()
+    setup = ModelSetup(
+        seq_len=cell.seq_len,
+        precision=PRECISIONS[cell.training],
+        lora_rank=LORA_RANK if cell.training == "lora" else 0,
+    )
+    spec = device_spec(cell.device)
+    workload = config_workload(cell.model, setup)
+    try:  # the whole budget: the planner's own check (less the reserve) refuses too, before profiling
+        refuse_budget_below_weights(workload, parse_bytes(BUDGETS[cell.device]))
+    except InfeasibleBudgetError:
+        before = _planned(workload, cell, exact_levers=False)
+        after = _planned(workload, cell)
+        return {"before": before, "after": after, "seconds": time.perf_counter() - began}
+    simulate = {"max_micro_batch_size": min(cell.batch, 16)}
+    workload, profile = simulate_config_profile(cell.model, setup, spec, **simulate)
+    heads: dict[int, Any] = {}
+
+    def head_profile(tokens: int) -> Any:  # the same simulation with the loss head in chunks
+        if tokens not in heads:
+            heads[tokens] = simulate_config_profile(
+                cell.model, setup, spec, head_chunk_tokens=tokens, **simulate
+            )[1]
+        return heads[tokens]
+
+    before = _planned(workload, cell, profile=profile, exact_levers=False)
+    after = _planned(workload, cell, profile=profile, head_profile=head_profile)
+    return {"before": before, "after": after, "seconds": time.perf_counter() - began}
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB"
+
+
+def describe(side: dict[str, Any] | None) -> str:
+    """One table cell: the plan and its predictions, or the refusal and the levers it names."""
+    if side is None:
+        return "not run (time)"
+    if side["refused"]:
+        names = ", ".join(side["levers"]) or "no lever"
+        return f"refused, needs >= {_gib(side['minimum_bytes'])}; names: {names}"
+    head = f"head chunks {side['head_chunk_tokens']:,}" if side["head_chunk_tokens"] else "head whole"
+    step = f"{side['optimizer_step']} step" if side["optimizer_step"] else "own step"
+    return (
+        f"{side['micro_batch_size']} x {side['steps']}, {side['checkpointing']}, {head}, {step}; "
+        f"peak {_gib(side['predicted_peak_bytes'])}, {side['tokens_per_second']:,.0f} tokens/s"
+    )
+
+
+def table(rows: dict[str, Any]) -> str:
+    """The section's markdown: the planned cells, the first refusal lines, then what people report."""
+    body = []
+    refusals = []
+    for cell in sorted(cells(), key=lambda c: (MODELS.index(c.model), c.training, c.seq_len, c.device)):
+        row = rows.get(cell.key, {})
+        size = f"{cell.seq_len:,} x {cell.batch}"
+        card = f"{cell.device} ({BUDGETS[cell.device]})"
+        body.append(
+            [cell.model, cell.training, size, card, describe(row.get("before")), describe(row.get("after"))]
+        )
+        for side in ("before", "after"):
+            if row.get(side, {}).get("refused"):
+                refusals.append(f"- {cell.key} {side}: {row[side]['first_line']}")
+    headers = ["Model", "Training", "Tokens x batch", "Card (budget)", "Before issue 34", "After issue 34"]
+    environment = rows.get("_environment", "not run")
+    lines = [
+        f"Simulated plans (fake tensors on the device presets, no kernel run), planned on {environment}.",
+        f"Full: precision mixed (float32 weights, gradients, AdamW state; bf16 autocast). LoRA: rank {LORA_RANK} "
+        "on q/k/v/o/gate/up/down (peft), bfloat16 frozen base weights, AdamW on the adapters. 262,144 tokens "
+        "a step. Before: `exact_levers=False`; after: the planner as it is. A plan: micro-batch x steps, "
+        "checkpointing per block, the loss head, the optimizer step (own: AdamW's foreach on CUDA); its "
+        "predicted peak and tokens/s.",
+        "",
+        results.markdown_table(headers, body),
+        "",
+        "Refusals' first lines:",
+        "",
+        *refusals,
+        "",
+        reported.section(),
+        "",
+        f"Remake: `flock /tmp/microbatch-heavy.lock env PYTHONPATH=src python benchmarks/consumer.py` "
+        f"(cells kept in benchmarks/{ROWS_PATH.name}).",
+    ]
+    return "\n".join(lines)
+
+
+def load_rows(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default="", help="run only the cells whose key contains this substring")
+    parser.add_argument("--rows", type=Path, default=ROWS_PATH, help="the JSON the cells are kept in")
+    parser.add_argument("--rerun", action="store_true", help="run cells already kept again")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="list the cells; rewrite the section from the rows"
+    )
+    parser.add_argument("--quick", action="store_true", help="run no cell: the section from the rows kept")
+    results.add_output_arguments(parser)
+    args = parser.parse_args(argv)
+    rows = load_rows(args.rows)
+    for cell in cells():
+        if args.only not in cell.key or (cell.key in rows and not args.rerun):
+            continue
+        if args.dry_run or args.quick:
+            print(f"would run {cell.key} (batch {cell.batch}, {BUDGETS[cell.device]})", file=sys.stderr)
+            continue
+        print(f"running {cell.key}", file=sys.stderr, flush=True)
+        rows[cell.key] = run_cell(cell)
+        rows["_environment"] = results.environment_line()
+        args.rows.write_text(json.dumps(rows, indent=1, default=str) + "\n", encoding="utf-8")
+        print(
+            f"  {describe(rows[cell.key]['before'])}\n  {describe(rows[cell.key]['after'])}", file=sys.stderr
+        )
+    report = {"cells": {key: value for key, value in rows.items() if not key.startswith("_")}}
+    return results.emit(TITLE, table(rows), report, json_mode=args.json, write=not args.no_write)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
