@@ -53,8 +53,8 @@ REPORTED: list[dict[str, str]] = [
         "what": "Llama 3.1 8B QLoRA longest context (unsloth)",
         "figure": "342,000 tokens with unsloth vs 28,000 with Hugging Face + FlashAttention 2 on an 80 GB "
         "GPU; 2,900 vs out of memory on an 8 GB GPU",
-        "configuration": "4-bit QLoRA rank 32 on all linear layers, batch 1, unsloth's offloaded checkpointing "
-        "and Apple's Cut Cross Entropy (a fused head)",
+        "configuration": "4-bit QLoRA rank 32 on all linear layers, batch 1, unsloth's offloaded "
+        "checkpointing and Apple's Cut Cross Entropy (a fused head)",
         "source": "https://unsloth.ai/blog/llama3-3",
     },
     {

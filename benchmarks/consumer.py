@@ -14,7 +14,8 @@ the rtx4090 and a100-40gb presets, each planned twice from one simulated profile
 Cells run one at a time and each is kept in ``--rows`` (benchmarks/consumer_rows.json) as it ends, so
 a partial run is not lost; a cell already there is not run again unless ``--rerun``. ``--only``
 picks cells by substring ("1b/full/2048/rtx4090"); ``--dry-run`` lists the cells and rewrites the
-section from the rows kept; ``--quick`` (``microbatch bench --quick``) runs none. What people report on such cards is in _consumer_reported.py.
+section from the rows kept; ``--quick`` (``microbatch bench --quick``) runs none. What people
+report on such cards is in _consumer_reported.py.
 
     flock /tmp/microbatch-heavy.lock env PYTHONPATH=src python benchmarks/consumer.py
 """
@@ -181,13 +182,24 @@ def describe(side: dict[str, Any] | None) -> str:
         return "not run (time)"
     if side["refused"]:
         names = ", ".join(side["levers"]) or "no lever"
-        return f"refused, needs >= {_gib(side['minimum_bytes'])}; names: {names}"
+        taken = re.search(r"already taken: ([^)]*)\)", side["message"])
+        took = f"; took {taken.group(1)}" if taken else ""
+        return f"refused, needs >= {_gib(side['minimum_bytes'])}{took}; names: {names}"
     head = f"head chunks {side['head_chunk_tokens']:,}" if side["head_chunk_tokens"] else "head whole"
     step = f"{side['optimizer_step']} step" if side["optimizer_step"] else "own step"
     return (
         f"{side['micro_batch_size']} x {side['steps']}, {side['checkpointing']}, {head}, {step}; "
         f"peak {_gib(side['predicted_peak_bytes'])}, {side['tokens_per_second']:,.0f} tokens/s"
     )
+
+
+def _refusal_lines(key: str, row: dict[str, Any]) -> list[str]:
+    """'- key before: first line', one line for both sides when they refuse alike."""
+    sides = [side for side in ("before", "after") if row.get(side, {}).get("refused")]
+    refused = {side: row[side]["first_line"] for side in sides}
+    if len(refused) == 2 and refused["before"] == refused["after"]:
+        return [f"- {key} before and after: {refused['before']}"]
+    return [f"- {key} {side}: {line}" for side, line in refused.items()]
 
 
 def table(rows: dict[str, Any]) -> str:
@@ -201,18 +213,16 @@ def table(rows: dict[str, Any]) -> str:
         body.append(
             [cell.model, cell.training, size, card, describe(row.get("before")), describe(row.get("after"))]
         )
-        for side in ("before", "after"):
-            if row.get(side, {}).get("refused"):
-                refusals.append(f"- {cell.key} {side}: {row[side]['first_line']}")
+        refusals += _refusal_lines(cell.key, row)
     headers = ["Model", "Training", "Tokens x batch", "Card (budget)", "Before issue 34", "After issue 34"]
     environment = rows.get("_environment", "not run")
     lines = [
         f"Simulated plans (fake tensors on the device presets, no kernel run), planned on {environment}.",
-        f"Full: precision mixed (float32 weights, gradients, AdamW state; bf16 autocast). LoRA: rank {LORA_RANK} "
-        "on q/k/v/o/gate/up/down (peft), bfloat16 frozen base weights, AdamW on the adapters. 262,144 tokens "
-        "a step. Before: `exact_levers=False`; after: the planner as it is. A plan: micro-batch x steps, "
-        "checkpointing per block, the loss head, the optimizer step (own: AdamW's foreach on CUDA); its "
-        "predicted peak and tokens/s.",
+        "Full: precision mixed (float32 weights, gradients, AdamW state; bf16 autocast). "
+        f"LoRA: rank {LORA_RANK} on q/k/v/o/gate/up/down (peft), bfloat16 frozen base weights, "
+        "AdamW on the adapters. 262,144 tokens a step. Before: `exact_levers=False`; after: the "
+        "planner as it is. A plan: micro-batch x steps, checkpointing per block, the loss head, the "
+        "optimizer step (own: AdamW's foreach on CUDA); its predicted peak and tokens/s.",
         "",
         results.markdown_table(headers, body),
         "",
