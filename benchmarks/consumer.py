@@ -2,9 +2,9 @@
 
 Full fine-tuning (precision "mixed": float32 weights, gradients and AdamW state, bf16 autocast, as
 the issue's command) and LoRA (rank LORA_RANK on every attention and MLP projection through peft,
-bfloat16 frozen base weights: what torchtune and unsloth run) of llama-3.2-1b, llama-3.2-3b and
-llama-3.1-8b at 2,048 and 8,192 tokens a sequence, 262,144 tokens a step (128 and 32 sequences), on
-the rtx4090 and a100-40gb presets, each planned twice from one simulated profile:
+bfloat16 frozen base weights and float32 adapters, as torchtune and unsloth run it) of llama-3.2-1b,
+llama-3.2-3b and llama-3.1-8b at 2,048 and 8,192 tokens a sequence, 262,144 tokens a step (128 and 32
+sequences), on the rtx4090 and a100-40gb presets, each planned twice from one simulated profile:
 
 - **before**: ``exact_levers=False``, the planner before issue 34 (no loss head in chunks, the
   optimizer's own step, a refusal that names no exact lever);
@@ -220,9 +220,10 @@ def table(rows: dict[str, Any]) -> str:
         f"Simulated plans (fake tensors on the device presets, no kernel run), planned on {environment}.",
         "Full: precision mixed (float32 weights, gradients, AdamW state; bf16 autocast). "
         f"LoRA: rank {LORA_RANK} on q/k/v/o/gate/up/down (peft), bfloat16 frozen base weights, "
-        "AdamW on the adapters. 262,144 tokens a step. Before: `exact_levers=False`; after: the "
-        "planner as it is. A plan: micro-batch x steps, checkpointing per block, the loss head, the "
-        "optimizer step (own: AdamW's foreach on CUDA); its predicted peak and tokens/s.",
+        "float32 adapters (peft's default) and AdamW on them alone. 262,144 tokens a step. "
+        "Before: `exact_levers=False`; after: the planner as it is. A plan: micro-batch x steps, "
+        "checkpointing per block, the loss head, the optimizer step (own: AdamW's foreach on CUDA); "
+        "its predicted peak and tokens/s.",
         "",
         results.markdown_table(headers, body),
         "",
