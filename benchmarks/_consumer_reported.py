@@ -45,8 +45,8 @@ REPORTED: list[dict[str, str]] = [
     {
         "what": "3B and 8B LoRA minimum VRAM (unsloth)",
         "figure": "3B: 8 GB LoRA 16-bit, 3.5 GB QLoRA; 8B: 22 GB LoRA 16-bit, 6 GB QLoRA",
-        "configuration": "unsloth's stated absolute minimum, batch 1-3, its own kernels and offloaded "
-        "gradient checkpointing; no sequence length or throughput given",
+        "configuration": "unsloth's stated absolute minimum with its own kernels (LoRA in 16-bit, QLoRA "
+        "in 4-bit); no batch, sequence length or throughput given",
         "source": UNSLOTH_REQUIREMENTS,
     },
     {

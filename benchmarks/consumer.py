@@ -202,6 +202,25 @@ def _refusal_lines(key: str, row: dict[str, Any]) -> list[str]:
     return [f"- {key} {side}: {line}" for side, line in refused.items()]
 
 
+def summary(rows: dict[str, Any]) -> str:
+    """What the levers changed across the cells kept: newly planned, still refused, unchanged."""
+    kept = {key: row for key, row in rows.items() if not key.startswith("_")}
+    planned = [key for key, row in kept.items() if row["before"]["refused"] and not row["after"]["refused"]]
+    both = [key for key, row in kept.items() if row["before"]["refused"] and row["after"]["refused"]]
+    lower = [
+        f"{key} ({_gib(kept[key]['before']['minimum_bytes'])} -> {_gib(kept[key]['after']['minimum_bytes'])})"
+        for key in both
+        if kept[key]["after"]["minimum_bytes"] < kept[key]["before"]["minimum_bytes"]
+    ]
+    fitting = [key for key, row in kept.items() if not row["after"]["refused"]]
+    same = [key for key in fitting if kept[key]["before"] == kept[key]["after"]]
+    return (
+        f"{len(kept)} of 24 cells run. Refused before, planned after: {', '.join(planned) or 'none'}. "
+        f"Refused both times: {len(both)}, of them with a lower minimum after: {', '.join(lower) or 'none'}. "
+        f"Planned both times, the same plan: {len(same)} (the levers are tried only when no plan fits)."
+    )
+
+
 def table(rows: dict[str, Any]) -> str:
     """The section's markdown: the planned cells, the first refusal lines, then what people report."""
     body = []
@@ -224,6 +243,8 @@ def table(rows: dict[str, Any]) -> str:
         "Before: `exact_levers=False`; after: the planner as it is. A plan: micro-batch x steps, "
         "checkpointing per block, the loss head, the optimizer step (own: AdamW's foreach on CUDA); "
         "its predicted peak and tokens/s.",
+        "",
+        summary(rows),
         "",
         results.markdown_table(headers, body),
         "",

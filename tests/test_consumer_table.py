@@ -82,11 +82,11 @@ def test_cited_figures_name_their_source_and_configuration() -> None:
 
 def _wide_vocab_gpt() -> Workload:
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=32768))
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32, vocab_size=4096))
     generator = torch.Generator().manual_seed(0)
 
     def make_batch(size: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, 32768, (size, 65), generator=generator)
+        ids = torch.randint(0, 4096, (size, 33), generator=generator)
         return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
 
     return Workload(model=model, make_batch=make_batch, loss=gpt_loss, name="wide-vocab-gpt")
@@ -98,7 +98,7 @@ def test_a_refusal_is_described_by_the_levers_it_names() -> None:
     sides = {}
     for name, options in (("before", {"exact_levers": False}), ("after", {"head": []})):
         with pytest.raises(mb.InfeasibleBudgetError) as caught:
-            mb.plan(_wide_vocab_gpt(), batch=2, memory="30MiB", trial=False, policies=["full"], **options)
+            mb.plan(_wide_vocab_gpt(), batch=2, memory="2500KiB", trial=False, policies=["full"], **options)
         sides[name] = consumer.outcome(caught.value, cell)
     before, after = sides["before"], sides["after"]
     assert before["refused"] and after["refused"]
