@@ -43,6 +43,8 @@ BATCHES = {2048: 128, 8192: 32}
 # Each card's memory less about 1 GiB for what no plan controls (the issue's 23GiB on a 24 GiB card).
 BUDGETS = {"rtx4090": "23GiB", "a100-40gb": "39GiB"}
 LORA_RANK = 16
+# before: exact_levers=False; after: as planned today; priced: the head's chunks priced always.
+SIDES = ("before", "after", "priced")
 PRECISIONS = {"full": "mixed", "lora": "bf16"}
 # What a refusal names, in the words the planner uses (before issue 34 and after).
 LEVERS = {
@@ -140,6 +142,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     from microbatch.hf.configs import ModelSetup, config_workload, simulate_config_profile
     from microbatch.memory import parse_bytes
     from microbatch.memory.device_specs import device_spec
+    from microbatch.planner.levers.head_choice import AUTO_HEAD_CHUNKS
     from microbatch.planner.refusals import refuse_budget_below_weights
 
     began = time.perf_counter()
@@ -155,7 +158,8 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     except InfeasibleBudgetError:
         before = _planned(workload, cell, exact_levers=False)
         after = _planned(workload, cell)
-        return {"before": before, "after": after, "seconds": time.perf_counter() - began}
+        priced = _planned(workload, cell, head=list(AUTO_HEAD_CHUNKS))
+        return {"before": before, "after": after, "priced": priced, "seconds": time.perf_counter() - began}
     simulate = {"max_micro_batch_size": min(cell.batch, 16)}
     workload, profile = simulate_config_profile(cell.model, setup, spec, **simulate)
     heads: dict[int, Any] = {}
@@ -169,7 +173,10 @@ def run_cell(cell: Cell) -> dict[str, Any]:
 
     before = _planned(workload, cell, profile=profile, exact_levers=False)
     after = _planned(workload, cell, profile=profile, head_profile=head_profile)
-    return {"before": before, "after": after, "seconds": time.perf_counter() - began}
+    # The head's chunks priced whether or not a plan fits without them: faster plans the auto rule leaves.
+    chunks = list(AUTO_HEAD_CHUNKS)
+    priced = _planned(workload, cell, profile=profile, head_profile=head_profile, head=chunks)
+    return {"before": before, "after": after, "priced": priced, "seconds": time.perf_counter() - began}
 
 
 def _gib(num_bytes: float) -> str:
@@ -217,8 +224,22 @@ def summary(rows: dict[str, Any]) -> str:
     return (
         f"{len(kept)} of 24 cells run. Refused before, planned after: {', '.join(planned) or 'none'}. "
         f"Refused both times: {len(both)}, of them with a lower minimum after: {', '.join(lower) or 'none'}. "
-        f"Planned both times, the same plan: {len(same)} (the levers are tried only when no plan fits)."
+        f"Planned both times, the same plan: {len(same)} (the levers are tried only when no plan fits). "
+        f"{_priced_summary(kept)}"
     )
+
+
+def _priced_summary(kept: dict[str, Any]) -> str:
+    """Where pricing the head's chunks always gives a faster plan than the default rule."""
+    faster = []
+    for key, row in kept.items():
+        after, priced = row["after"], row.get("priced")
+        if priced is None or after["refused"] or priced["refused"]:
+            continue
+        if priced["tokens_per_second"] > after["tokens_per_second"] * 1.001:
+            ratio = priced["tokens_per_second"] / after["tokens_per_second"]
+            faster.append(f"{key} ({ratio:.2f}x)")
+    return f"With the head's chunks priced always, faster: {', '.join(faster) or 'none'}."
 
 
 def table(rows: dict[str, Any]) -> str:
@@ -229,18 +250,22 @@ def table(rows: dict[str, Any]) -> str:
         row = rows.get(cell.key, {})
         size = f"{cell.seq_len:,} x {cell.batch}"
         card = f"{cell.device} ({BUDGETS[cell.device]})"
-        body.append(
-            [cell.model, cell.training, size, card, describe(row.get("before")), describe(row.get("after"))]
-        )
+        sides = [describe(row.get("before")), describe(row.get("after")), describe(row.get("priced"))]
+        if "priced" in row and row["priced"] == row["after"]:
+            sides[2] = "same as after"
+        body.append([cell.model, cell.training, size, card, *sides])
         refusals += _refusal_lines(cell.key, row)
     headers = ["Model", "Training", "Tokens x batch", "Card (budget)", "Before issue 34", "After issue 34"]
+    headers.append("After, head chunks priced always")
     environment = rows.get("_environment", "not run")
     lines = [
         f"Simulated plans (fake tensors on the device presets, no kernel run), planned on {environment}.",
         "Full: precision mixed (float32 weights, gradients, AdamW state; bf16 autocast). "
         f"LoRA: rank {LORA_RANK} on q/k/v/o/gate/up/down (peft), bfloat16 frozen base weights, "
         "float32 adapters (peft's default) and AdamW on them alone. 262,144 tokens a step. "
-        "Before: `exact_levers=False`; after: the planner as it is. A plan: micro-batch x steps, "
+        "Before: `exact_levers=False`; after: the planner as it is; the last column: after, with "
+        "`head=[256, 1024, 4096]` (the head's chunks priced even when a plan fits without them, which "
+        "the default prices only when none does). A plan: micro-batch x steps, "
         "checkpointing per block, the loss head, the optimizer step (own: AdamW's foreach on CUDA); "
         "its predicted peak and tokens/s.",
         "",
@@ -277,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = load_rows(args.rows)
     for cell in cells():
-        if args.only not in cell.key or (cell.key in rows and not args.rerun):
+        done = cell.key in rows and all(side in rows[cell.key] for side in SIDES)
+        if args.only not in cell.key or (done and not args.rerun):
             continue
         if args.dry_run or args.quick:
             print(f"would run {cell.key} (batch {cell.batch}, {BUDGETS[cell.device]})", file=sys.stderr)
@@ -286,9 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         rows[cell.key] = run_cell(cell)
         rows["_environment"] = results.environment_line()
         args.rows.write_text(json.dumps(rows, indent=1, default=str) + "\n", encoding="utf-8")
-        print(
-            f"  {describe(rows[cell.key]['before'])}\n  {describe(rows[cell.key]['after'])}", file=sys.stderr
-        )
+        for side in SIDES:
+            print(f"  {side}: {describe(rows[cell.key][side])}", file=sys.stderr)
     report = {"cells": {key: value for key, value in rows.items() if not key.startswith("_")}}
     return results.emit(TITLE, table(rows), report, json_mode=args.json, write=not args.no_write)
 
