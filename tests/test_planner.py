@@ -145,6 +145,14 @@ def test_budget_below_the_weights_fails_before_profiling(monkeypatch: pytest.Mon
         plan(workload, batch=8, memory=4 * weights - 1)
     assert caught.value.minimum_bytes == 4 * weights and caught.value.minimum_is_lower_bound
     assert caught.value.parts == {"parameters": weights, "gradients": weights, "AdamW state": 2 * weights}
+    # What would fit, exact levers first with the bytes each saves (4 x weights over a budget a byte
+    # short: FSDP over 2 ranks halves them), then those that change training, marked (issue 34).
+    message = str(caught.value)
+    exact, changing = message.index("Exact levers"), message.index("Levers that change the training")
+    assert exact < message.index("FSDP over at least 2 ranks") < message.index("CPU offload") < changing
+    assert f"saves {mb.memory.format_bytes(2 * weights)} of parameters" in message
+    assert changing < message.index("8-bit optimizer state") < message.index("LoRA")
+    assert message.count("[changes training]") == 3
 
 
 def test_budget_below_the_minimum_plan(gpt: tuple[Workload, Profile]) -> None:

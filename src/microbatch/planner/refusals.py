@@ -4,6 +4,7 @@ fits (before or after trials). Every refusal names the minimum memory and what i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from ..errors import ConfigError, InfeasibleBudgetError, MicrobatchError, WorkloadError
@@ -103,12 +104,45 @@ def refuse_budget_below_weights(
         f"{_budget_words(budget_bytes, reserve)}, "
         f"before any activation; no micro-batch size or checkpointing can fit. Every plan needs at least "
         f"{least} plus its activations, which are not measured: refused before profiling, so the exact "
-        f"minimum is named only by planning with memory above {least}. Or shrink the model or its "
-        "optimizer state (a stateless or 8-bit optimizer, FSDP across more ranks, frozen parameters)",
+        f"minimum is named only by planning with memory above {least}. "
+        + _state_levers(parts, budget_bytes, shards),
         total,
         parts,
         reserve,
         lower_bound=True,
+    )
+
+
+def _state_levers(parts: dict[str, int], budget_bytes: int, shards: int) -> str:
+    """The levers that shrink parameters, gradients and optimizer state, with the bytes each saves: the
+    exact ones first (the same gradient), then those that change the training, marked as such. The
+    loss head in chunks and a fused step cut activations and temporaries, not these, so they are not
+    named (planner/levers/exact.py names them when a profile shows they would help)."""
+    _, gradient_bytes, state_bytes = parts.values()
+    static = sum(parts.values())
+    # FSDP shards all three over the ranks: the smallest power of two that brings them under the budget
+    # (activations come on top, so it is a lower bound on the ranks).
+    doublings = max(1, math.ceil(math.log2(static / budget_bytes))) if budget_bytes > 0 else 1
+    ranks = shards * 2**doublings
+    exact = [
+        f"FSDP over at least {ranks} ranks (shard='fsdp', world_size={ranks}): saves "
+        f"{format_bytes(static - static * shards // ranks)} of parameters, gradients and optimizer state "
+        "per rank",
+        f"CPU offload of the optimizer state (not offered by microbatch; FSDP2's CPUOffloadPolicy, "
+        f"DeepSpeed ZeRO-Offload): saves up to {format_bytes(state_bytes)}",
+    ][: 2 if state_bytes else 1]
+    changing = [
+        f"8-bit optimizer state: saves about {format_bytes(state_bytes * 3 // 4)}",
+        f"a stateless optimizer (SGD without momentum): saves {format_bytes(state_bytes)}",
+    ] * bool(state_bytes) + [
+        f"LoRA (frozen base weights): saves most of the gradients and optimizer state, up to "
+        f"{format_bytes(gradient_bytes + state_bytes)}",
+    ]
+    return (
+        "Exact levers (the same gradient): "
+        + "; ".join(exact)
+        + ". Levers that change the training: "
+        + "; ".join(f"{line} [changes training]" for line in changing)
     )
 
 
