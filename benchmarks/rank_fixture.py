@@ -5,8 +5,8 @@ on a CPU). The candidates are each micro-batch size's no-checkpointing, every-bl
 every-block-selective and checkpoint_sequential (2 segments) configurations, and the search's
 choice, those whose predicted peak fits ``--memory``. Each trains whole windows of ``--batch``
 samples (the planner's split, the Accumulator, mb.checkpoint) on one torch thread, timed by the
-thread's CPU time; ``--rounds`` rounds visit every candidate in turn, and a candidate's time is its
-fastest window. The JSON holds the profile, its noise, and (sizes, policies, predicted, measured)
+thread's CPU time; ``--rounds`` rounds visit every candidate in turn (each round in a rotated order, each timed
+window after an untimed one of the same candidate), and a candidate's time is its fastest window. The JSON holds the profile, its noise, and (sizes, policies, predicted, measured)
 per candidate, so the test ranks predictions against measurements without timing anything.
 
     PYTHONPATH=src python benchmarks/rank_fixture.py [--model gpt-mini] [--batch 64]
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -71,6 +73,7 @@ def window_seconds(workload: Workload, sizes: list[int], policies: dict[str, str
 
 
 def record(args: argparse.Namespace) -> dict[str, Any]:
+    load_before = os.getloadavg()[0]
     workload = load_workload(args.model)
     profile = profile_workload(workload, max_micro_batch_size=min(args.batch, 16))
     budget = parse_bytes(args.memory)
@@ -80,10 +83,13 @@ def record(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     try:
         seconds: list[list[float]] = [[] for _ in chosen]
-        window_seconds(workload, *chosen[0])  # warm-up
-        for _ in range(args.rounds):
-            for index, (sizes, policies) in enumerate(chosen):
-                seconds[index].append(window_seconds(workload, sizes, policies))
+        for round_index in range(args.rounds):
+            # A rotated order, and each timed window after an untimed one of the same candidate: a
+            # window right after another configuration's measured 9-11 % slower (planner_real.py).
+            start = round_index * len(chosen) // args.rounds
+            for index in [*range(start, len(chosen)), *range(start)]:
+                window_seconds(workload, *chosen[index])
+                seconds[index].append(window_seconds(workload, *chosen[index]))
     finally:
         torch.set_num_threads(threads)
     rows = [
@@ -101,6 +107,8 @@ def record(args: argparse.Namespace) -> dict[str, Any]:
         "budget_bytes": budget,
         "rounds": args.rounds,
         "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "PYTHONPATH=src python benchmarks/rank_fixture.py " + " ".join(sys.argv[1:]),
+        "load": [load_before, os.getloadavg()[0]],  # 1-minute load average before and after
         "time_noise": profile.time_noise,
         "profile": profile.to_dict(),
         "candidates": rows,
