@@ -50,7 +50,7 @@ PRECISIONS = {"full": "mixed", "lora": "bf16"}
 LEVERS = {
     "chunked head": r"loss head in chunks",
     "fused step": r"fused optimizer step",
-    "FSDP": r"FSDP over \d+ ranks|FSDP across more ranks",
+    "FSDP": r"FSDP over (at least )?\d+ ranks|FSDP across more ranks",
     "CPU offload": r"CPU offload",
     "8-bit optimizer": r"8-bit optimizer",
     "stateless optimizer": r"stateless",
