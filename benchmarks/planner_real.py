@@ -346,8 +346,30 @@ def markdown(report: dict[str, Any], command: str) -> str:
             f"(2 shared cores); one torch thread, CPU seconds per window. {report.get('note', '')}",
             results.markdown_table(headers, rows),
             f"Median plan / best hand over cells: **{median:.3f}** (target <= 0.97)." if median else "",
+            *misses(report),
         ]
     )
+
+
+def misses(report: dict[str, Any]) -> list[str]:
+    """For each cell over its budget or > 3 % behind the best hand: the planner's own numbers."""
+    lines = []
+    for key, entry in report["cells"].items():
+        over = entry["plan_peak_bytes"] > entry["budget_bytes"]
+        if not over and (entry["ratio"] is None or entry["ratio"] <= 1.03):
+            continue
+        best = entry["best_hand"].rsplit(" at ", 1)[0] if entry["best_hand"] else None
+        seconds = entry["profile_predicted_seconds"]
+        trial = entry["plan_trial_peak_bytes"]
+        lines.append(
+            f"- {key} ({'over budget' if over else 'behind the best hand'}): the planner predicted "
+            f"{entry['plan_predicted_seconds']:.3f} s for its plan; the benchmark's profile predicts "
+            f"{seconds['plan']:.3f} s for it"
+            + (f" and {seconds[best]:.3f} s for {best}" if best else "")
+            + f"; plan peak predicted {format_bytes(entry['plan_predicted_peak_bytes'])}, trial "
+            f"{format_bytes(trial) if trial else 'none'}, measured {format_bytes(entry['plan_peak_bytes'])}."
+        )
+    return (["Cells that miss a target, with the planner's own numbers:", "\n".join(lines)]) if lines else []
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,3 +69,24 @@ def test_vision_model_without_torchvision_names_the_venv(planner_real: ModuleTyp
         pytest.skip("torchvision is installed here")
     with pytest.raises(SystemExit, match="venv"):
         planner_real.workload("resnet50", 32)
+
+
+def test_misses_name_the_planners_numbers_only_for_missed_cells(planner_real: ModuleType) -> None:
+    def entry(ratio: float, peak: int) -> dict[str, object]:
+        return {
+            "budget_bytes": 100,
+            "plan_peak_bytes": peak,
+            "ratio": ratio,
+            "best_hand": "every block full at 6",
+            "profile_predicted_seconds": {"plan": 2.5, "every block full": 2.0},
+            "plan_predicted_seconds": 2.25,
+            "plan_predicted_peak_bytes": 99,
+            "plan_trial_peak_bytes": 98,
+        }
+
+    report = {"cells": {"a tight": entry(1.10, 90), "b tight": entry(1.0, 101), "c tight": entry(1.02, 100)}}
+    lines = "\n".join(planner_real.misses(report))
+    assert "a tight (behind the best hand)" in lines and "b tight (over budget)" in lines
+    assert "c tight" not in lines
+    assert "2.250 s for its plan" in lines and "2.000 s for every block full" in lines
+    assert planner_real.misses({"cells": {"c tight": entry(1.02, 100)}}) == []
