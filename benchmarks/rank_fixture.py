@@ -5,9 +5,10 @@ on a CPU). The candidates are each micro-batch size's no-checkpointing, every-bl
 every-block-selective and checkpoint_sequential (2 segments) configurations, and the search's
 choice, those whose predicted peak fits ``--memory``. Each trains whole windows of ``--batch``
 samples (the planner's split, the Accumulator, mb.checkpoint) on one torch thread, timed by the
-thread's CPU time; ``--rounds`` rounds visit every candidate in turn (each round in a rotated order, each timed
-window after an untimed one of the same candidate), and a candidate's time is its fastest window. The JSON holds the profile, its noise, and (sizes, policies, predicted, measured)
-per candidate, so the test ranks predictions against measurements without timing anything.
+thread's CPU time; ``--rounds`` rounds visit every candidate in turn (each round in a rotated order,
+each timed window after an untimed one of the same candidate), and a candidate's time is its fastest
+window. The JSON holds the profile, its noise, and (sizes, policies, predicted, measured) per
+candidate, so the test ranks predictions against measurements without timing anything.
 
     PYTHONPATH=src python benchmarks/rank_fixture.py [--model gpt-mini] [--batch 64]
         [--memory 96MiB] [--rounds 5] [--out tests/data/time_rank_gpt_mini.json]
