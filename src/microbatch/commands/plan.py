@@ -65,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-trial", action="store_true", help="trust the model: skip the real trial window")
     parser.add_argument(
+        "--no-race",
+        action="store_true",
+        help="keep the prediction's choice among plans it cannot tell apart, untimed (faster planning)",
+    )
+    parser.add_argument(
         "--min-micro-batch",
         type=int,
         default=1,
@@ -227,15 +232,18 @@ def check_plot_path(path: str) -> None:
         raise ConfigError(f"--plot {path} is not writable; choose a path you can write")
 
 
+def _names(listed: str) -> list[str]:
+    """A comma-separated list, blanks dropped."""
+    return [name.strip() for name in listed.split(",") if name.strip()]
+
+
 def run(args: argparse.Namespace) -> int:
     _check_output("--out", args.out)
     stash.remove_stale_stashes()  # planner stash files of processes killed outright (kill -9)
     if args.plot:
         check_plot_path(args.plot)
-    blocks = (
-        "auto" if args.blocks == "auto" else [name.strip() for name in args.blocks.split(",") if name.strip()]
-    )
-    policies = None if args.policies is None else [p.strip() for p in args.policies.split(",") if p.strip()]
+    blocks = "auto" if args.blocks == "auto" else _names(args.blocks)
+    policies = None if args.policies is None else _names(args.policies)
     progress = PlanningBar(sys.stderr) if not args.no_progress else None
     profile = head_profile = None
     device = args.device
@@ -257,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
             blocks=blocks,
             policies=policies,
             trial=not args.no_trial,
+            race=not args.no_race,
             progress=progress,
             min_micro_batch_size=args.min_micro_batch,
             even=args.even,

@@ -44,6 +44,9 @@ class PlanOptions:
     profile: Profile | None = None
     # Prove the plan in one real window (recommended; False trusts the model).
     trial: bool = True
+    # With the trial: plans the prediction cannot tell apart (within its tie) are timed in whole
+    # windows and the fastest measured is kept (planner/proof/race.py).
+    race: bool = True
     # Trials before the planner gives up (InfeasibleBudgetError).
     max_trials: int = DEFAULT_MAX_TRIALS
     # The largest micro-batch profiled; by default 16, extended to the micro-batch the search
@@ -143,6 +146,7 @@ class PlanOptions:
             "simulate",
             "scaler",
             "exact_levers",
+            "race",
         )
         for name in names:
             if not isinstance(getattr(self, name), bool):

@@ -19,7 +19,9 @@ over), when that is faster than the safe choice: if its measured peak fits, the 
 proof (its predicted peak may then exceed the budget); if not, the safe plan is next.
 
 Each round rules out at least the plan that failed, so the loop ends after ``max_trials`` rounds
-(InfeasibleBudgetError). Nothing it runs changes the model (parameters, buffers, mode, RNG kept).
+(InfeasibleBudgetError). A proved choice with rivals the prediction cannot tell apart is raced
+against them on the real model, the fastest measured kept (proof/race.py; ``race=False`` skips it).
+Nothing it runs changes the model (parameters, buffers, mode, RNG kept).
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from ..errors import InfeasibleBudgetError, MicrobatchError
 from ..memory import format_bytes
 from ..memory.allocator import allocator_capacity
 from ..memory.device_specs import DeviceSpec
-from ..memory.oom import attempt
 from ..profile import Profile, profile_workload
 from ..workload import Workload, load_workload
 from .levers.exact import search_with_levers
@@ -48,9 +49,10 @@ from .options import DEFAULT_MAX_PROFILE_SIZE, PlanOptions
 from .outcome import PlanRequest, Setup, plan_of
 from .pipeline.choose import ranks_of
 from .pipeline.on_ranks import plan_pipeline
-from .proof.choices import faster_without_margin, last_resort
+from .proof.choices import faster_without_margin, hands_within_margin, last_resort
+from .proof.race import race_rivals
 from .proof.trial_data import TrialData, differs_from_profile, recording, reprofile_on_trial_data
-from .proof.trial_run import TrialResult, run_trial
+from .proof.trial_run import TrialResult, attempt_trial
 from .refusals import (
     candidate_key,
     check_make_batch,
@@ -68,17 +70,6 @@ from .target.sharding import rank_profile, with_wide_gradients
 from .target.simulated import profile_for, resolve_target, target_budget
 
 logger = logging.getLogger(__name__)
-
-
-def _attempt(workload: Workload, candidate: Candidate, options: PlanOptions) -> TrialResult | None:
-    """The trial's result; None when it ran out of memory (memory freed)."""
-    run = functools.partial(
-        run_trial,
-        accumulate_dtype=options.accumulate_dtype,
-        scaler=options.scaler,
-        max_grad_norm=options.max_grad_norm,
-    )
-    return attempt(lambda: run(workload, candidate), workload.device)
 
 
 def plan(
@@ -355,8 +346,43 @@ def _search_and_prove(setup: Setup, request: PlanRequest) -> tuple[Candidate, Se
                 setup.reserve,
                 out_of_memory=trials.out_of_memory,
             )
-        if not trial or _prove(setup, request, trials, chosen, result, margin_free=margin_free):
+        if not trial:
             return chosen, result, trials
+        if _prove(setup, request, trials, chosen, result, margin_free=margin_free):
+            return _raced(setup, request, trials, chosen, result, capacity), result, trials
+
+
+def _raced(
+    setup: Setup,
+    request: PlanRequest,
+    trials: _Trials,
+    chosen: Candidate,
+    result: SearchResult,
+    capacity: float,
+) -> Candidate:
+    """``chosen`` (proved), or the fastest measured of it, its rivals and the hand strategies that
+    fit only without the safety margin (proof/race.py)."""
+    if not request.options.race or trials.measured is None:
+        return chosen
+    near_margin = hands_within_margin(
+        setup.profile,
+        setup.per_rank_batch,
+        capacity,
+        trials.correction_bytes,
+        result,
+        setup.rules,
+        setup.bytes_per_sample,
+    )
+    budget, measured = setup.model_budget_bytes, trials.measured
+    raced = race_rivals(
+        setup.workload, setup.profile, request.options, budget, chosen, measured, result.rivals, near_margin
+    )
+    if raced is None:
+        return chosen
+    setup.notes.append(raced.note)
+    logger.info("planning %s: %s", setup.workload.name, raced.note)
+    trials.measured = raced.measured
+    return raced.winner
 
 
 def _prove(
@@ -380,7 +406,7 @@ def _prove(
     if request.options.progress is not None:
         request.options.progress(f"trial {trials.count}: {what}", 0, 1)
     setup.trial_data.start_trial()
-    measured = trials.measured = _attempt(setup.workload, chosen, request.options)
+    measured = trials.measured = attempt_trial(setup.workload, chosen, request.options)
     over = measured is not None and measured.peak_bytes > setup.model_budget_bytes
     if over and request.options.profile is None and differs_from_profile(setup.trial_data):
         _reprofile(setup, request)  # a data difference: like with like, no correction

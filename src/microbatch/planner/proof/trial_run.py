@@ -1,11 +1,13 @@
-"""The planner's trial: one optimizer step of a candidate plan on the real model, its peak measured.
+"""The planner's trial: one optimizer step of a candidate plan on the real model, its peak measured;
+and whole windows of it timed, for the race between tied plans (race.py).
 
 The window is cut to its first two micro-batches (trial_sizes; planning.py's docstring says why).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -13,13 +15,14 @@ import torch
 from ...accumulate.accumulator import Accumulator
 from ...checkpointing.api import checkpoint
 from ...memory import MemoryTracker
-from ...memory.oom import free_memory
+from ...memory.oom import attempt, free_memory
 from ...profile import NONE, preserved_state
 from ...profile.runs import train_window
 from ...profile.stash import optimizer_instance
 from ...profile.user_calls import noted_user_call
 from ...trees.batches import move_batch
 from ...workload import Workload
+from ..options import PlanOptions
 from ..result.applying import inner_model
 from ..search.sizes import Candidate
 
@@ -31,6 +34,20 @@ class TrialResult:
     peak_bytes: int
     cuda_max_allocated_bytes: int | None
     cuda_max_reserved_bytes: int | None = None
+
+
+def attempt_trial(workload: Workload, candidate: Candidate, options: PlanOptions) -> TrialResult | None:
+    """``run_trial`` with the plan's options; None when it ran out of memory (memory freed)."""
+    return attempt(
+        lambda: run_trial(
+            workload,
+            candidate,
+            accumulate_dtype=options.accumulate_dtype,
+            scaler=options.scaler,
+            max_grad_norm=options.max_grad_norm,
+        ),
+        workload.device,
+    )
 
 
 def run_trial(
@@ -49,9 +66,56 @@ def run_trial(
 
     May raise an out-of-memory error; the model is restored either way.
     """
-    model, device = workload.model, workload.device
+    options = _WindowOptions(accumulate_dtype, scaler, max_grad_norm, sync_every_micro_batch)
+    with _applied(workload, candidate) as (model, optimizer):
+        batches = _batches(workload, candidate, trial_sizes(candidate.micro_batch_sizes))
+        with MemoryTracker(workload.device, model=model, optimizer=optimizer) as tracker:
+            _window(workload, candidate, optimizer, batches, options)
+    measured = tracker.peak_bytes
+    if tracker.cuda_max_reserved_bytes is not None:
+        measured = max(measured, tracker.cuda_max_reserved_bytes)
+    return TrialResult(measured, tracker.cuda_max_allocated_bytes, tracker.cuda_max_reserved_bytes)
+
+
+def time_windows(
+    workload: Workload,
+    candidate: Candidate,
+    clock: Callable[[], float],
+    *,
+    windows: int,
+    accumulate_dtype: torch.dtype | None = None,
+    scaler: bool = False,
+    max_grad_norm: float | None = None,
+) -> list[float]:
+    """``windows`` whole windows of ``candidate`` (every micro-batch, one optimizer step each), each
+    timed on ``clock`` (making its batches is not timed); no tracker, so nothing but the work is
+    counted. The model is restored afterwards."""
+    options = _WindowOptions(accumulate_dtype, scaler, max_grad_norm, False)
+    seconds = []
+    with _applied(workload, candidate) as (_, optimizer):
+        for _ in range(windows):
+            batches = _batches(workload, candidate, candidate.micro_batch_sizes)
+            seconds.append(_window(workload, candidate, optimizer, batches, options, clock))
+    return seconds
+
+
+@dataclass(frozen=True)
+class _WindowOptions:
+    accumulate_dtype: torch.dtype | None
+    scaler: bool
+    max_grad_norm: float | None
+    sync_every_micro_batch: bool
+
+
+@contextlib.contextmanager
+def _applied(
+    workload: Workload, candidate: Candidate
+) -> Iterator[tuple[torch.nn.Module, torch.optim.Optimizer]]:
+    """The model in training mode with ``candidate``'s checkpointing and a fresh optimizer whose
+    state exists; everything restored on leaving (gradients cleared)."""
+    model = workload.model
     # Segments cached by earlier runs would count as reserved: start from what is alive.
-    free_memory(device)
+    free_memory(workload.device)
     with preserved_state(model, optimizer=optimizer_instance(workload)):
         model.train()
         optimizer = workload.make_optimizer()
@@ -60,38 +124,65 @@ def run_trial(
         recomputes = any(p != NONE for p in policies.values())
         handle = checkpoint(inner_model(model), policy=policies) if recomputes else None
         try:
-            what = f"mb.plan tried micro-batch {candidate.micro_batch_size} x {candidate.steps} in a window"
-            sizes = trial_sizes(candidate.micro_batch_sizes)
-            with noted_user_call(workload.name, f"make_batch of {sizes}", what):
-                batches = [workload.make_batch(size) for size in sizes]
-
-            def loader() -> Iterator[object]:
-                # Each micro-batch reaches the device when its turn comes and is dropped after it.
-                while batches:
-                    yield move_batch(batches.pop(0), device)
-
-            grad_scaler = torch.amp.GradScaler(device.type) if scaler else None
-            accumulator = Accumulator(
-                model,
-                optimizer,
-                steps=len(batches),
-                accumulate_dtype=accumulate_dtype,
-                scaler=grad_scaler,
-                max_grad_norm=max_grad_norm,
-                sync_every_micro_batch=sync_every_micro_batch,
-            )
-            accumulator._warned_batchnorm = True  # the trial's cut window; the plan's note covers BatchNorm
-            with MemoryTracker(device, model=model, optimizer=optimizer) as tracker:
-                train_window(workload, accumulator, loader(), doing_what=what)
+            yield model, optimizer
         finally:
             if handle is not None:
                 handle.remove()
             for parameter in model.parameters():
                 parameter.grad = None
-    measured = tracker.peak_bytes
-    if tracker.cuda_max_reserved_bytes is not None:
-        measured = max(measured, tracker.cuda_max_reserved_bytes)
-    return TrialResult(measured, tracker.cuda_max_allocated_bytes, tracker.cuda_max_reserved_bytes)
+
+
+def _what(candidate: Candidate) -> str:
+    return f"mb.plan tried micro-batch {candidate.micro_batch_size} x {candidate.steps} in a window"
+
+
+def _batches(workload: Workload, candidate: Candidate, sizes: Sequence[int]) -> list[object]:
+    """The window's micro-batches, made before anything is measured (what make_batch loads, a
+    corpus it slices from, is not the window's)."""
+    with noted_user_call(workload.name, f"make_batch of {list(sizes)}", _what(candidate)):
+        return [workload.make_batch(size) for size in sizes]
+
+
+def _window(
+    workload: Workload,
+    candidate: Candidate,
+    optimizer: torch.optim.Optimizer,
+    batches: list[object],
+    options: _WindowOptions,
+    clock: Callable[[], float] | None = None,
+) -> float:
+    """One window of ``batches`` and its optimizer step; its seconds on ``clock`` (0 without one)."""
+    device, what = workload.device, _what(candidate)
+
+    def loader() -> Iterator[object]:
+        # Each micro-batch reaches the device when its turn comes and is dropped after it.
+        while batches:
+            yield move_batch(batches.pop(0), device)
+
+    grad_scaler = torch.amp.GradScaler(device.type) if options.scaler else None
+    accumulator = Accumulator(
+        workload.model,
+        optimizer,
+        steps=len(batches),
+        accumulate_dtype=options.accumulate_dtype,
+        scaler=grad_scaler,
+        max_grad_norm=options.max_grad_norm,
+        sync_every_micro_batch=options.sync_every_micro_batch,
+    )
+    accumulator._warned_batchnorm = True  # the trial's windows; the plan's note covers BatchNorm
+    if clock is None:
+        train_window(workload, accumulator, loader(), doing_what=what)
+        return 0.0
+    _synchronize(device)
+    start = clock()
+    train_window(workload, accumulator, loader(), doing_what=what)
+    _synchronize(device)
+    return clock() - start
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def trial_sizes(micro_batch_sizes: Sequence[int]) -> list[int]:

@@ -27,7 +27,9 @@ a tie, broken by a fixed rule (``tie_key``): fewer recomputed FLOPs (each checkp
 by the share of its forward it recomputes, RECOMPUTE_FLOOR), then the larger micro-batch, then
 fewer steps. So the same command on the same machine gives the same plan. What a tie may give
 away is bounded twice: by MAX_TIE_FRACTION, and by the hand strategies (hand.py), which are
-candidates and bounds: the choice is never predicted slower than any of them.
+candidates and bounds: the choice is never predicted slower than any of them. And with a trial
+the tie is not the last word: the choice's rivals (fitting plans within RIVAL_REACH ties of the
+fastest) are raced on the real model and the fastest measured kept (proof/race.py).
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ MIN_TIE_FRACTION = 0.06
 # time to buy determinism (at 25 %, up to 22 % measured; issue 32); the hand strategies bound it
 # too (a tie never picks a plan predicted slower than one of them).
 MAX_TIE_FRACTION = 0.08
+# Plans up to this many ties behind the fastest predicted are the choice's rivals in the trial's race
+# (proof/race.py): a plan at the tie's edge in one profile is beyond it in the next (gpt-mini's
+# 3 + 3 + 2, predicted 4.5-6.5 % behind, measured level with the fastest), so the race looks wider.
+RIVAL_REACH = 2
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,10 @@ class SearchResult:
     best: Candidate | None  # the chosen candidate within the capacity (see choose); None when nothing fits
     frontier: tuple[Candidate, ...]  # Pareto-optimal in (peak, seconds), fastest first
     minimum: Candidate  # the lowest peak any candidate reaches
+    # The fitting plans within RIVAL_REACH ties of the fastest predicted, fastest first, one per
+    # configuration: what the trial may race (proof/race.py).
+    rivals: tuple[Candidate, ...] = ()
+    hands: tuple[Candidate, ...] = ()  # the hand strategies, each at its largest fitting micro-batch
 
 
 def recomputed_blocks(block_policies: Sequence[tuple[str, str]]) -> float:
@@ -106,13 +116,22 @@ def choose(
 ) -> Candidate | None:
     """The plan to use among ``candidates``: by ``tie_key`` among those within ``tie`` of the fastest
     and no slower than any of ``bounds`` (the hand strategies: never traded for a tie)."""
+    within = ties(candidates, tie=tie, bounds=bounds)
+    return min(within, key=tie_key) if within else None
+
+
+def ties(candidates: Sequence[Candidate], *, tie: float, bounds: Sequence[Candidate] = ()) -> list[Candidate]:
+    """The candidates ``choose`` chooses among, fastest first, one per configuration."""
     if not candidates:
-        return None
+        return []
     fastest = min(candidate.seconds_per_step for candidate in candidates)
     ceiling = min((c.seconds_per_step for c in bounds), default=math.inf)
     limit = max(fastest, min(fastest * (1 + tie), ceiling))
-    tied = [c for c in candidates if c.seconds_per_step <= limit]
-    return min(tied, key=tie_key)
+    within: dict[tuple[object, ...], Candidate] = {}
+    for candidate in sorted(candidates, key=lambda c: (c.seconds_per_step, tie_key(c))):
+        if candidate.seconds_per_step <= limit:
+            within.setdefault((tuple(candidate.micro_batch_sizes), candidate.block_policies), candidate)
+    return list(within.values())
 
 
 def pareto(candidates: Sequence[Candidate]) -> list[Candidate]:
@@ -165,7 +184,7 @@ def search(
                 found.append(sizes)
         return found
 
-    state = _SearchState(tie_fraction(profile))
+    state = _SearchState(tie_fraction(profile))  # its tie: the choice's, and the rivals' reach
     grid = [b for b in candidate_sizes(per_rank_batch) if splits(b)]
     for b in grid:
         state.add(_price_size(model, splits(b), capacity_bytes))
@@ -182,8 +201,9 @@ def search(
         biggest = max(candidate.micro_batch_size for candidate in fits)
         fits = [candidate for candidate in fits if candidate.micro_batch_size == biggest]
         hands = [candidate for candidate in hands if candidate.micro_batch_size == biggest]
-    best = choose(fits, tie=tie_fraction(profile), bounds=hands)
-    return SearchResult(best=best, frontier=tuple(pareto(state.points)), minimum=state.minimum)
+    best, rivals = choose(fits, tie=state.tie, bounds=hands), ties(fits, tie=RIVAL_REACH * state.tie)
+    frontier = tuple(pareto(state.points))
+    return SearchResult(best, frontier, state.minimum, rivals=tuple(rivals), hands=tuple(hands))
 
 
 class _SearchState:
