@@ -16,6 +16,7 @@ from microbatch.cli import main
 from microbatch.errors import InfeasibleBudgetError, WorkloadError
 from microbatch.memory.optimizer_state import fresh_optimizer_like, optimizer_state_bytes
 from microbatch.planner import planning as trial_module
+from microbatch.planner.proof import trial_run
 from microbatch.planner.search import splits as search_module
 from microbatch.workload import seed_linear
 
@@ -53,7 +54,7 @@ def test_a_batch_beyond_the_window_limit_is_refused_clearly() -> None:
 # ----------------------------------------------------------------------------- out of memory in the trial
 def oom_above(limit: int, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Trials of micro-batches larger than ``limit`` run out of memory; returns the sizes tried."""
-    real = trial_module.run_trial
+    real = trial_run.run_trial
     tried: list[int] = []
 
     def trial(workload: Any, candidate: Any, **options: Any) -> Any:
@@ -62,7 +63,7 @@ def oom_above(limit: int, monkeypatch: pytest.MonkeyPatch) -> list[int]:
             raise torch.OutOfMemoryError("simulated: CUDA out of memory")
         return real(workload, candidate, **options)
 
-    monkeypatch.setattr(trial_module, "run_trial", trial)
+    monkeypatch.setattr(trial_run, "run_trial", trial)
     return tried
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from microbatch.checkpointing import chunk_head, chunked_cross_entropy
 from microbatch.memory import MemoryTracker
 from microbatch.memory.device_specs import devices
-from microbatch.planner.planning import run_trial
+from microbatch.planner.proof.trial_run import run_trial
 from microbatch.planner.search.sizes import Candidate
 from microbatch.profile.simulate import simulate_window
 

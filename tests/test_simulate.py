@@ -13,7 +13,7 @@ from microbatch.checkpointing.api import find_blocks
 from microbatch.errors import CheckpointError, ConfigError
 from microbatch.memory.allocator import round_size, segment_size
 from microbatch.memory.device_specs import DeviceSpec, device_spec, devices
-from microbatch.planner.planning import run_trial
+from microbatch.planner.proof.trial_run import run_trial
 from microbatch.planner.search.sizes import Candidate
 from microbatch.profile.roofline import RooflineClock, all_gather_seconds, all_reduce_seconds
 from microbatch.profile.simulate import simulate_window

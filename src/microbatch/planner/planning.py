@@ -362,8 +362,8 @@ def _raced(
 ) -> Candidate:
     """``chosen`` (proved), or the fastest measured of it, its rivals and the hand strategies that
     fit only without the safety margin (proof/race.py)."""
-    if not request.options.race or trials.measured is None:
-        return chosen
+    if not request.options.race or trials.measured is None or trials.out_of_memory:
+        return chosen  # after an out-of-memory trial the device holds less than predicted: no more tries
     near_margin = hands_within_margin(
         setup.profile,
         setup.per_rank_batch,
