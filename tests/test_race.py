@@ -50,13 +50,13 @@ def profile(seconds: float = 100.0) -> Profile:
 def scripted(
     seconds: dict[tuple[int, ...], list[float]], calls: list[tuple[int, ...]]
 ) -> Callable[..., list[float]]:
-    """time_windows that returns each candidate's next scripted time (the warm window's is 99 s)."""
+    """time_windows that returns each candidate's next scripted times (the warm window's is 99 s)."""
     queues = {sizes: list(times) for sizes, times in seconds.items()}
 
     def time_windows(c: Candidate, clock: Callable[[], float], windows: int) -> list[float]:
-        assert windows == 2
         calls.append(tuple(c.micro_batch_sizes))
-        return [99.0, queues[tuple(c.micro_batch_sizes)].pop(0)]
+        queue = queues[tuple(c.micro_batch_sizes)]
+        return [99.0] + [queue.pop(0) for _ in range(windows - 1)]
 
     return time_windows
 
@@ -100,8 +100,8 @@ def test_the_fastest_measured_wins_beyond_the_race_noise() -> None:
     assert result is not None and result.winner is SLOW_NONE
     assert result.measured.peak_bytes == 83  # the winner's own memory trial, not the choice's
     assert result.seconds[((3, 3, 2), SLOW_NONE.block_policies)] == pytest.approx(1.00)
-    # Three rounds, each in a rotated order: nobody always runs after the same plan.
-    assert calls == [(4, 4), (8,), (3, 3, 2), (8,), (3, 3, 2), (4, 4), (3, 3, 2), (4, 4), (8,)]
+    # Each contender once: an untimed window and three timed ones (settled: no more rounds).
+    assert calls == [(4, 4), (8,), (3, 3, 2)]
     assert "kept micro-batch 3 x 3" in result.note
 
 
@@ -116,11 +116,13 @@ def test_within_the_race_noise_the_tie_order_decides() -> None:
 
 
 def test_a_noisy_race_runs_more_rounds() -> None:
-    # 5 % between one plan's two fastest windows: rounds go on (up to 6) while the tie is wider than 4 %.
-    times = {(3, 3, 2): [1.0, 1.05, 1.06, 1.001, 1.02, 1.03], (4, 4): [1.2] * 6}
+    # 5 % between one plan's two fastest windows: rounds go on (up to 6) while the tie is wider than
+    # 4 %, each in a rotated order (nobody always runs right after the same plan).
+    times = {(3, 3, 2): [1.0, 1.05, 1.06, 1.04, 1.001, 1.03], (4, 4): [1.2] * 6}
     result, calls = run_race(times, FAST_ONE, [FAST_ONE, SLOW_NONE])
     assert result is not None and result.winner is SLOW_NONE
-    assert len(calls) == 2 * 4  # the fourth round settled it: gap 0.1 %
+    # The fifth round settled it (gap 0.1 %); rounds 4 and 5 ran in rotated orders.
+    assert calls == [(4, 4), (3, 3, 2), (3, 3, 2), (4, 4), (4, 4), (3, 3, 2)]
 
 
 def test_a_rival_over_the_budget_is_out_of_the_race() -> None:
@@ -135,10 +137,15 @@ def test_a_rival_over_the_budget_is_out_of_the_race() -> None:
 
 def test_no_race_without_rivals_or_when_it_costs_too_much() -> None:
     assert run_race({}, FAST_ONE, [FAST_ONE])[0] is None
-    # 3 rounds of 2 windows of two plans predicted 1 s each: 12 s, over a 5 s profile and the free 10 s.
-    times = {(3, 3, 2): [1.0] * 3, (4, 4): [1.0] * 3}
-    result, calls = run_race(times, FAST_ONE, [FAST_ONE, SLOW_NONE], seconds=5.0)
+    # Four windows each of two plans predicted 1 s and 2 s: 12 s, over a 5 s profile's allowance
+    # (its time, RACE_COST_SHARE = 1) and the free 10 s.
+    slow = candidate((3, 3, 2), 0, 2.0)
+    result, calls = run_race({}, FAST_ONE, [FAST_ONE, slow], seconds=5.0)
     assert result is None and calls == []
+    # After a 12 s profile (12 s allowed) the same two race.
+    times = {(3, 3, 2): [2.0] * 3, (4, 4): [1.0] * 3}
+    result, calls = run_race(times, FAST_ONE, [FAST_ONE, slow], seconds=12.0)
+    assert result is not None and result.winner is FAST_ONE and len(calls) == 2
     assert race_module.RACE_FREE_SECONDS == 10.0
 
 

@@ -7,21 +7,28 @@ choice up to 1.22x slower than the search's fastest) and asked for the remedy us
 choice has rivals within the tie, time each in whole windows of the real model and keep the
 fastest measured.
 
+Who races: the choice, its rivals (fitting plans predicted within search.RIVAL_REACH ties of the
+fastest: the fastest predicted, the first in the tie order) and the hand strategies that fit only
+without the safety margin (choices.hands_within_margin: issue 32's cause 3, a hand strategy
+predicted a hair over the budget that measures within it and was never tried). Each besides the
+proved choice first gets the planner's memory trial: one over the budget, or out of memory, is out.
+After an out-of-memory trial there is no race (the device holds less than the model predicts;
+every further try risks another).
+
 A race is decided by measurements of the plans themselves, not by a model of them, so its noise is
-what one plan's windows spread: each contender runs RACE_ROUNDS rounds in rotated order (so no
-contender always follows the same other one), and each timed window follows an untimed one of the
-same plan (a window right after another plan's measured 8.7-10.5 % slower on gpt-mini and the tiny
-Llama: benchmarks/planner_real.py). A contender's time is its fastest timed window (the least
-disturbed), its noise the gap to its second fastest. Measured times within
-``2 x the largest noise`` (at least RACE_MIN_TIE, at most the search's MAX_TIE_FRACTION) of the
-fastest are still ties, broken by the same tie_key: the same command on the same machine picks the
-same plan as long as the plans' real difference is not near that narrow edge.
+what one plan's windows spread. Each contender runs an untimed window, then RACE_ROUNDS timed ones
+(a window right after another plan's measured 8.7-10.5 % slower on gpt-mini and the tiny Llama:
+benchmarks/planner_real.py); while the race is noisy, more rounds in rotated order, each timed
+window after an untimed one. A contender's time is its fastest timed window (the least disturbed),
+its noise the gap to its second fastest. Measured times within ``2 x the largest noise`` (at least
+RACE_MIN_TIE, at most the search's MAX_TIE_FRACTION) of the fastest are still ties, broken by the
+same tie_key: the same command on the same machine picks the same plan as long as the plans' real
+difference is not near that narrow edge.
 
 The clock is the profile's (one thread's CPU time on a CPU device, so other jobs' load does not
-enter it; the wall clock with the device synchronized elsewhere). Every contender besides the
-proved choice first gets the planner's memory trial: one over the budget, or out of memory, is out
-of the race. The race is skipped when its windows would take longer than RACE_COST_SHARE of the
-profile's time (predicted), so it never more than about doubles the planning time.
+enter it; the wall clock with the device synchronized elsewhere). The race's windows take at most
+RACE_COST_SHARE x the profile's time or RACE_FREE_SECONDS, whichever is longer (predicted):
+contenders past that are left out, most wanted first in.
 """
 
 from __future__ import annotations
@@ -39,12 +46,12 @@ from .trial_run import TrialResult, attempt_trial, time_windows
 
 RACE_CONTENDERS = 3  # the choice and two rivals (contenders_besides)
 RACE_NEAR_MARGIN = 2  # ... and up to two hand strategies that fit only without the safety margin
-RACE_ROUNDS = 3  # timed windows per contender, each after an untimed one
+RACE_ROUNDS = 3  # timed windows per contender, after an untimed one
 RACE_MAX_ROUNDS = 6  # ... and more, up to this, while the race's tie is wider than RACE_SETTLED_TIE
 RACE_SETTLED_TIE = 0.04
 RACE_MIN_TIE = 0.02  # measured times closer than this are ties (noise of repeated windows, 0.5-1.5 %)
-RACE_COST_SHARE = 1.0  # skip a race predicted to take longer than this share of the profile's time
-RACE_FREE_SECONDS = 10.0  # ... or than this, whichever is longer
+RACE_COST_SHARE = 1.0  # a race takes at most this share of the profile's time (predicted)
+RACE_FREE_SECONDS = 10.0  # ... or this, whichever is longer: contenders past it are left out
 
 
 @dataclass(frozen=True)
@@ -75,15 +82,14 @@ def race(
     ``fits(candidate)``: its memory trial, None when it ran out of memory or measured over the budget.
     ``time_windows(candidate, clock, n)``: n whole windows of it, each timed on ``clock``.
     """
-    others = contenders_besides(chosen, rivals)
-    for hand in near_margin[:RACE_NEAR_MARGIN]:
-        if all(_key(hand) != _key(c) for c in (chosen, *others)):
-            others.append(hand)
-    if not others:
-        return None
-    per_round = 2 * sum(c.seconds_per_step for c in (chosen, *others))  # predicted, warm windows too
+    window = 1 + RACE_ROUNDS  # windows a contender runs: an untimed warm one, then the timed ones
     allowance = max(RACE_COST_SHARE * profile.profile_seconds, RACE_FREE_SECONDS)
-    if RACE_ROUNDS * per_round > allowance:
+    others: list[Candidate] = []
+    for candidate in _by_priority(chosen, rivals, near_margin):
+        cost = window * sum(c.seconds_per_step for c in (chosen, *others, candidate))  # predicted
+        if cost <= allowance:
+            others.append(candidate)
+    if not others:
         return None
     proved = {_key(chosen): measured}
     for candidate in others:
@@ -93,7 +99,7 @@ def race(
     contenders = [c for c in (chosen, *others) if _key(c) in proved]
     if len(contenders) < 2:
         return None
-    times, rounds = _timed_rounds(workload, profile, contenders, time_windows, per_round, allowance)
+    times, rounds = _timed_rounds(workload, profile, contenders, time_windows, allowance)
     best = {key: min(seconds) for key, seconds in times.items()}
     tie = race_tie(times)
     fastest = min(best.values())
@@ -116,28 +122,44 @@ def _timed_rounds(
     profile: Profile,
     contenders: Sequence[Candidate],
     time_windows: Callable[[Candidate, Callable[[], float], int], list[float]],
-    per_round: float,
     allowance: float,
 ) -> tuple[dict[tuple[object, ...], list[float]], int]:
-    """Each contender's timed windows, RACE_ROUNDS rounds in rotated order and more while the
-    race's tie is wider than RACE_SETTLED_TIE (up to RACE_MAX_ROUNDS, within ``allowance`` seconds
-    predicted at ``per_round`` a round); and the rounds run."""
-    times: dict[tuple[object, ...], list[float]] = {_key(c): [] for c in contenders}
+    """Each contender's timed windows: RACE_ROUNDS after an untimed one, contender after contender;
+    then, while the race's tie is wider than RACE_SETTLED_TIE (up to RACE_MAX_ROUNDS, within
+    ``allowance`` seconds predicted), one more each, in rotated order, each after an untimed one.
+    Returns the windows' seconds and the rounds run."""
+    times: dict[tuple[object, ...], list[float]] = {}
     order = list(contenders)
-    rounds = 0
+    per_round = 2 * sum(c.seconds_per_step for c in order)
+    spent = (1 + RACE_ROUNDS) * per_round / 2
     clock_name = AUTO if profile.clock == CPU else profile.clock
     with profiling_clock(clock_name, workload.device) as (_, clock):
-        while rounds < RACE_ROUNDS or (
-            rounds < RACE_MAX_ROUNDS
-            and race_tie(times) > RACE_SETTLED_TIE
-            and (rounds + 1) * per_round <= allowance
+        for candidate in order:
+            times[_key(candidate)] = time_windows(candidate, clock, 1 + RACE_ROUNDS)[1:]
+        rounds = RACE_ROUNDS
+        while (
+            rounds < RACE_MAX_ROUNDS and race_tie(times) > RACE_SETTLED_TIE and spent + per_round <= allowance
         ):
             shift = rounds % len(order)
             for candidate in order[shift:] + order[:shift]:
-                _, timed = time_windows(candidate, clock, 2)  # an untimed warm window, then the timed one
-                times[_key(candidate)].append(timed)
-            rounds += 1
+                times[_key(candidate)].append(time_windows(candidate, clock, 2)[1])
+            rounds, spent = rounds + 1, spent + per_round
     return times, rounds
+
+
+def _by_priority(
+    chosen: Candidate, rivals: Sequence[Candidate], near_margin: Sequence[Candidate]
+) -> list[Candidate]:
+    """Who races ``chosen``, most wanted first: the fastest predicted rival, the first hand strategy
+    within the margin, the first rival in the tie order, the next hand within the margin."""
+    besides = contenders_besides(chosen, rivals)
+    near = [hand for hand in near_margin[:RACE_NEAR_MARGIN] if _key(hand) != _key(chosen)]
+    wanted = [*besides[:1], *near[:1], *besides[1:], *near[1:]]
+    picked: list[Candidate] = []
+    for candidate in wanted:
+        if all(_key(candidate) != _key(other) for other in picked):
+            picked.append(candidate)
+    return picked
 
 
 def race_rivals(
