@@ -24,6 +24,13 @@ from ...profile import NONE, Profile
 from .pricing import Candidate, Model
 from .splits import WindowSizes
 
+# Up to this batch per rank every micro-batch size is a hand strategy's size, not only the search's
+# (the smallest b for each step count N): a user takes the largest b that fits, and its window
+# (b, B - b, ...) can fit where the smallest b for its N does not. The first micro-batch runs before
+# any gradient exists and the second, small, one holds them all: swin_t at batch 32 fits
+# checkpoint_sequential at 29 + 3, measured 250.9 MB within a 251.5 MB budget, not at 16 + 16.
+HAND_EVERY_SIZE = 64
+
 # checkpoint_sequential's segment counts tried (and round(sqrt(blocks)), the classic choice
 # sqrt(n) segments of sqrt(n) blocks: Chen et al. 2016, "Training Deep Nets with Sublinear
 # Memory Cost").
@@ -48,6 +55,16 @@ def hand_strategies(profile: Profile) -> list[tuple[str, dict[str, str]]]:
         if policies and all(policies != other for _, other in found):
             found.append((f"checkpoint_sequential, {segments} segments", policies))
     return found
+
+
+def hand_sizes(
+    per_rank_batch: int, grid: Sequence[int], splits: Callable[[int], list[WindowSizes]]
+) -> list[int]:
+    """The micro-batch sizes the hand strategies are priced at: every size the rules allow up to
+    HAND_EVERY_SIZE samples per rank, the search's ``grid`` above."""
+    if per_rank_batch > HAND_EVERY_SIZE:
+        return list(grid)
+    return [b for b in range(per_rank_batch, 0, -1) if splits(b)]
 
 
 def hand_candidates(

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from ...errors import ConfigError
 from ...profile import NONE, Profile
 from . import solve
-from .hand import hand_candidates
+from .hand import hand_candidates, hand_sizes
 from .pricing import BOTH, RECOMPUTE_FLOOR, SAFETY_MARGIN, Candidate, Model, largest
 from .splits import EXACT_SEARCH_BATCH, WindowSizes, candidate_sizes
 
@@ -189,7 +189,7 @@ def search(
     for b in grid:
         state.add(_price_size(model, splits(b), capacity_bytes))
     # The hand strategies, each at its largest fitting size: always candidates, and bounds (hand.py).
-    state.hands = hand_candidates(model, grid, splits, capacity_bytes)
+    state.hands = hand_candidates(model, hand_sizes(per_rank_batch, grid, splits), splits, capacity_bytes)
     state.fits.extend(state.hands)
     state.points.extend(state.hands)
     if per_rank_batch > EXACT_SEARCH_BATCH and state.fits and not even:
