@@ -55,7 +55,7 @@ from microbatch.memory.oom import free_memory, is_out_of_memory
 from microbatch.models.gpt import GPT, GPTConfig
 from microbatch.models.workloads import VarlenTokens, gpt_loss, gpt_optimizer
 from microbatch.planner import plan
-from microbatch.planner.planning import run_trial
+from microbatch.planner.proof.trial_run import run_trial
 from microbatch.planner.search.sizes import Model, search
 from microbatch.profile import preserved_state, profile_workload
 from microbatch.trees.batches import move_batch

@@ -58,7 +58,7 @@ from microbatch.memory import format_bytes
 from microbatch.models.gpt import GPT
 from microbatch.models.workloads import gpt_workload
 from microbatch.planner import Plan, plan
-from microbatch.planner.planning import run_trial
+from microbatch.planner.proof.trial_run import run_trial
 from microbatch.planner.result.plot import save_frontier_plot
 from microbatch.planner.search.sizes import Candidate, Model, search
 from microbatch.profile import Profile, profile_workload

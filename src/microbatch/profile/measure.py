@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 ProgressFn = Callable[[str, int, int], None]  # (what is running, runs done, runs in all)
 # Timed rounds are repeated until the fastest two of a typical (policy, size) agree to within this
 # fraction, half the narrowest tie the planner uses (search/sizes.py: ties are 2 x the noise, at least
-# MIN_TIE_FRACTION = 5 %; a settled noise below this changes no choice), or EXTRA_ROUNDS more were run
+# MIN_TIE_FRACTION = 6 %; a settled noise below this changes no choice), or EXTRA_ROUNDS more were run
 # (each round is about a fifth of a gpt-mini profile: planning time, issue 32).
 STABLE_NOISE = 0.025
 EXTRA_ROUNDS = 2
