@@ -22,7 +22,7 @@ from microbatch.models.workloads import gpt_workload
 from microbatch.planner.proof import race as race_module
 from microbatch.planner.proof.choices import hands_within_margin
 from microbatch.planner.proof.race import RACE_MIN_TIE, RaceResult, contenders_besides, race, race_tie
-from microbatch.planner.proof.trial_run import TrialResult
+from microbatch.planner.proof.trial_run import TimedWindows, TrialResult
 from microbatch.planner.search.rules import SplitRules
 from microbatch.planner.search.sizes import Candidate, Model, search
 from microbatch.profile import Profile, profile_workload
@@ -48,20 +48,26 @@ def profile(seconds: float = 100.0) -> Profile:
 
 
 def scripted(
-    seconds: dict[tuple[int, ...], list[float]], calls: list[tuple[int, ...]]
-) -> Callable[..., list[float]]:
-    """time_windows that returns each candidate's next scripted times (the warm window's is 99 s)."""
+    seconds: dict[tuple[int, ...], list[float]],
+    calls: list[tuple[int, ...]],
+    peaks: dict[tuple[int, ...], int] | None = None,
+) -> Callable[..., TimedWindows]:
+    """time_windows that returns each candidate's next scripted times (the warm window's is 99 s) and,
+    when the first window is tracked, its scripted whole-window peak (50 bytes unless given)."""
     queues = {sizes: list(times) for sizes, times in seconds.items()}
 
-    def time_windows(c: Candidate, clock: Callable[[], float], windows: int) -> list[float]:
-        calls.append(tuple(c.micro_batch_sizes))
-        queue = queues[tuple(c.micro_batch_sizes)]
-        return [99.0] + [queue.pop(0) for _ in range(windows - 1)]
+    def time_windows(c: Candidate, clock: Callable[[], float], windows: int, track: bool) -> TimedWindows:
+        sizes = tuple(c.micro_batch_sizes)
+        calls.append(sizes)
+        queue = queues[sizes]
+        peak = (peaks or {}).get(sizes, 50) if track else None
+        return TimedWindows([99.0] + [queue.pop(0) for _ in range(windows - 1)], peak)
 
     return time_windows
 
 
 PROVED = TrialResult(peak_bytes=90, cuda_max_allocated_bytes=None)
+BUDGET = 100
 
 
 def fits_all(c: Candidate) -> TrialResult:
@@ -76,10 +82,11 @@ def run_race(
     fits: Callable[[Candidate], TrialResult | None] = fits_all,
     seconds: float = 100.0,
     near_margin: Sequence[Candidate] = (),
+    peaks: dict[tuple[int, ...], int] | None = None,
 ) -> tuple[RaceResult | None, list[tuple[int, ...]]]:
     calls: list[tuple[int, ...]] = []
     workload = cast(mb.Workload, SimpleNamespace(device=torch.device("cpu")))  # the clock's device
-    timed = scripted(times, calls)
+    timed = scripted(times, calls, peaks)
     result = race(
         workload,
         profile(seconds),
@@ -87,6 +94,7 @@ def run_race(
         PROVED,
         rivals,
         near_margin=near_margin,
+        budget_bytes=BUDGET,
         fits=fits,
         time_windows=timed,
     )
@@ -133,6 +141,21 @@ def test_a_rival_over_the_budget_is_out_of_the_race() -> None:
 
     result, calls = run_race(times, FAST_ONE, [FAST_ONE, SLOW_NONE], fits=over_for_none)
     assert result is None and calls == []  # one contender left: nothing to race
+
+
+def test_a_contender_whose_whole_window_overruns_the_budget_is_out() -> None:
+    # The memory trial runs a window's first two micro-batches; the race's first window of each
+    # contender runs whole under the tracker. 3 + 3 + 2 measures fastest but its window peaks over.
+    times = {(3, 3, 2): [0.5] * 3, (4, 4): [1.0] * 3, (8,): [1.1] * 3}
+    result, _ = run_race(
+        times, FAST_ONE, [FAST_ONE, FAST_TWO, SLOW_NONE], peaks={(3, 3, 2): BUDGET + 1, (4, 4): 95}
+    )
+    assert result is not None and result.winner is FAST_ONE
+    assert result.measured.peak_bytes == 95  # the whole window's, above its trial's 90
+    assert "3 x 3 with none x3 out: its whole window peaked at" in result.note
+    # When no contender's whole window fits, the race changes nothing.
+    over = {(4, 4): BUDGET + 1, (8,): BUDGET + 1}
+    assert run_race(times, FAST_ONE, [FAST_ONE, FAST_TWO], peaks=over)[0] is None
 
 
 def test_no_race_without_rivals_or_when_it_costs_too_much() -> None:

@@ -77,26 +77,39 @@ def run_trial(
     return TrialResult(measured, tracker.cuda_max_allocated_bytes, tracker.cuda_max_reserved_bytes)
 
 
+@dataclass(frozen=True)
+class TimedWindows:
+    seconds: list[float]  # each window's, on the clock
+    peak_bytes: int | None  # the first window's peak (MemoryTracker, as run_trial's), when tracked
+
+
 def time_windows(
     workload: Workload,
     candidate: Candidate,
     clock: Callable[[], float],
     *,
     windows: int,
+    track_first: bool = False,
     accumulate_dtype: torch.dtype | None = None,
     scaler: bool = False,
     max_grad_norm: float | None = None,
-) -> list[float]:
+) -> TimedWindows:
     """``windows`` whole windows of ``candidate`` (every micro-batch, one optimizer step each), each
-    timed on ``clock`` (making its batches is not timed); no tracker, so nothing but the work is
-    counted. The model is restored afterwards."""
+    timed on ``clock`` (making its batches is not timed). With ``track_first`` the first window
+    runs under MemoryTracker (its time then counts the tracker's too: take it as a warm-up), the
+    others never. The model is restored afterwards."""
     options = _WindowOptions(accumulate_dtype, scaler, max_grad_norm, False)
-    seconds = []
-    with _applied(workload, candidate) as (_, optimizer):
-        for _ in range(windows):
+    seconds, peak = [], None
+    with _applied(workload, candidate) as (model, optimizer):
+        for index in range(windows):
             batches = _batches(workload, candidate, candidate.micro_batch_sizes)
-            seconds.append(_window(workload, candidate, optimizer, batches, options, clock))
-    return seconds
+            if index == 0 and track_first:
+                with MemoryTracker(workload.device, model=model, optimizer=optimizer) as tracker:
+                    seconds.append(_window(workload, candidate, optimizer, batches, options, clock))
+                peak = max(tracker.peak_bytes, tracker.cuda_max_reserved_bytes or 0)
+            else:
+                seconds.append(_window(workload, candidate, optimizer, batches, options, clock))
+    return TimedWindows(seconds, peak)
 
 
 @dataclass(frozen=True)
