@@ -51,7 +51,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -165,7 +165,7 @@ def window_seconds(
         else:
             accumulator = Accumulator(work.model, optimizer, steps=len(batches))
         started = time.thread_time()
-        train_window(work, accumulator, iter(batches))
+        train_window(work, accumulator, handed(batches))
         return time.thread_time() - started
     finally:
         if handle is not None:
@@ -173,6 +173,15 @@ def window_seconds(
         if plan is not None:
             plan.remove(work.model)
         work.model.zero_grad(set_to_none=True)
+
+
+def handed(batches: list[Any]) -> Iterator[Any]:
+    """The micro-batches one at a time, each dropped after its turn, as a data loader hands them over
+    (and the planner's trial): iterating the list instead keeps every micro-batch of the window alive
+    to its end, which the tracker counts (efficientnet_b0 at 8 x 4: 98,368 bytes of input a
+    micro-batch, its window read 39.30 MB where the trial's 39.00 MB is what training holds)."""
+    while batches:
+        yield batches.pop(0)
 
 
 def window_peak(work: mb.Workload, config: Config | Plan, optimizer: torch.optim.Optimizer) -> int:
