@@ -46,7 +46,7 @@ from ...profile.clocks import AUTO, CPU, profiling_clock
 from ...workload import Workload
 from ..options import PlanOptions
 from ..result.plans import summarize_policies
-from ..search.sizes import MAX_TIE_FRACTION, Candidate, tie_key
+from ..search.sizes import MAX_TIE_FRACTION, Candidate, config_key, tie_key
 from .trial_run import TimedWindows, TrialResult, attempt_trial, time_windows
 
 # time_windows(candidate, clock, windows, track_first): trial_run.time_windows on the plan's options.
@@ -96,36 +96,34 @@ def race(
     """
     allowance = max(RACE_COST_SHARE * profile.profile_seconds, RACE_FREE_SECONDS)
     proved = _entrants(chosen, measured, _by_priority(chosen, rivals, near_margin), fits, allowance)
-    contenders = [c for c in (chosen, *rivals, *near_margin) if _key(c) in proved]
-    contenders = [c for i, c in enumerate(contenders) if all(_key(c) != _key(o) for o in contenders[:i])]
+    contenders = [candidate for candidate, _ in proved.values()]
     if len(contenders) < 2:
         return None
     times, rounds, peaks = _timed_rounds(workload, profile, contenders, time_windows, allowance)
-    over = [c for c in contenders if (peaks.get(_key(c)) or 0) > budget_bytes]
+    over = [c for c in contenders if (peaks.get(config_key(c)) or 0) > budget_bytes]
     contenders = [c for c in contenders if c not in over]
     if not contenders:
         return None
-    best = {_key(c): min(times[_key(c)]) for c in contenders}
+    best = {config_key(c): min(times[config_key(c)]) for c in contenders}
     tie = race_tie(times)
     fastest = min(best.values())
-    within = [c for c in contenders if best[_key(c)] <= fastest * (1 + tie)]
+    within = [c for c in contenders if best[config_key(c)] <= fastest * (1 + tie)]
     winner = min(within, key=tie_key)
     listed = "; ".join(
-        f"{c.micro_batch_size} x {c.steps} with {summarize_policies(c.block_policies)} {best[_key(c)]:.3g} s"
-        for c in sorted(contenders, key=lambda c: best[_key(c)])
+        f"{_named(c)} {best[config_key(c)]:.3g} s"
+        for c in sorted(contenders, key=lambda c: best[config_key(c)])
     )
     dropped = "".join(
-        f"; {c.micro_batch_size} x {c.steps} with {summarize_policies(c.block_policies)} out: its whole "
-        f"window peaked at {format_bytes(peaks[_key(c)] or 0)}"
+        f"; {_named(c)} out: its whole window peaked at {format_bytes(peaks[config_key(c)] or 0)}"
         for c in over
     )
     note = (
         f"raced {len(contenders) + len(over)} plans the prediction could not tell apart, {rounds} timed "
         f"windows each (fastest window; ties within {tie:.1%}): {listed}{dropped}; kept micro-batch "
-        f"{winner.micro_batch_size} x {winner.steps} with {summarize_policies(winner.block_policies)}"
+        f"{_named(winner)}"
     )
-    trial = proved[_key(winner)]
-    whole = max(trial.peak_bytes, peaks.get(_key(winner)) or 0)  # the window's peak, beyond its trial's
+    _, trial = proved[config_key(winner)]
+    whole = max(trial.peak_bytes, peaks.get(config_key(winner)) or 0)  # the window's peak, beyond its trial's
     return RaceResult(winner, dataclasses.replace(trial, peak_bytes=whole), best, note)
 
 
@@ -135,12 +133,12 @@ def _entrants(
     wanted: Sequence[Candidate],
     fits: Callable[[Candidate], TrialResult | None],
     allowance: float,
-) -> dict[tuple[object, ...], TrialResult]:
-    """The memory trial of each contender: ``chosen``'s (``measured``), then those of ``wanted``, most
-    wanted first, while the race's predicted windows stay within ``allowance`` seconds; a rival whose
-    trial fails (None) is left out."""
+) -> dict[tuple[object, ...], tuple[Candidate, TrialResult]]:
+    """Each contender and its memory trial, in racing order: ``chosen`` (``measured``), then those of
+    ``wanted``, most wanted first, while the race's predicted windows stay within ``allowance``
+    seconds; a rival whose trial fails (None) is left out."""
     window = 1 + RACE_ROUNDS  # windows a contender runs: an untimed warm one, then the timed ones
-    proved = {_key(chosen): measured}
+    proved = {config_key(chosen): (chosen, measured)}
     entered = [chosen]
     for candidate in wanted:
         if window * sum(c.seconds_per_step for c in (*entered, candidate)) > allowance:  # predicted
@@ -148,7 +146,7 @@ def _entrants(
         entered.append(candidate)
         result = fits(candidate)
         if result is not None:
-            proved[_key(candidate)] = result
+            proved[config_key(candidate)] = (candidate, result)
     return proved
 
 
@@ -172,14 +170,14 @@ def _timed_rounds(
     with profiling_clock(clock_name, workload.device) as (_, clock):
         for candidate in order:
             timed = time_windows(candidate, clock, 1 + RACE_ROUNDS, True)
-            times[_key(candidate)], peaks[_key(candidate)] = timed.seconds[1:], timed.peak_bytes
+            times[config_key(candidate)], peaks[config_key(candidate)] = timed.seconds[1:], timed.peak_bytes
         rounds = RACE_ROUNDS
         while (
             rounds < RACE_MAX_ROUNDS and race_tie(times) > RACE_SETTLED_TIE and spent + per_round <= allowance
         ):
             shift = rounds % len(order)
             for candidate in order[shift:] + order[:shift]:
-                times[_key(candidate)].append(time_windows(candidate, clock, 2, False).seconds[1])
+                times[config_key(candidate)].append(time_windows(candidate, clock, 2, False).seconds[1])
             rounds, spent = rounds + 1, spent + per_round
     return times, rounds, peaks
 
@@ -190,11 +188,11 @@ def _by_priority(
     """Who races ``chosen``, most wanted first: the fastest predicted rival, the first hand strategy
     within the margin, the first rival in the tie order, the next hand within the margin."""
     besides = contenders_besides(chosen, rivals)
-    near = [hand for hand in near_margin[:RACE_NEAR_MARGIN] if _key(hand) != _key(chosen)]
+    near = [hand for hand in near_margin[:RACE_NEAR_MARGIN] if config_key(hand) != config_key(chosen)]
     wanted = [*besides[:1], *near[:1], *besides[1:], *near[1:]]
     picked: list[Candidate] = []
     for candidate in wanted:
-        if all(_key(candidate) != _key(other) for other in picked):
+        if all(config_key(candidate) != config_key(other) for other in picked):
             picked.append(candidate)
     return picked
 
@@ -246,10 +244,10 @@ def race_rivals(
 def contenders_besides(chosen: Candidate, rivals: Sequence[Candidate]) -> list[Candidate]:
     """Up to RACE_CONTENDERS - 1 of ``rivals`` (fastest first) to race ``chosen``: the fastest predicted,
     then the first in the tie order (least recomputation), then the next fastest."""
-    others = [c for c in rivals if _key(c) != _key(chosen)]
+    others = [c for c in rivals if config_key(c) != config_key(chosen)]
     picked: list[Candidate] = []
     for candidate in (*others[:1], *sorted(others, key=tie_key)[:1], *others):
-        if len(picked) < RACE_CONTENDERS - 1 and all(_key(candidate) != _key(p) for p in picked):
+        if len(picked) < RACE_CONTENDERS - 1 and all(config_key(candidate) != config_key(p) for p in picked):
             picked.append(candidate)
     return picked
 
@@ -265,5 +263,6 @@ def race_tie(times: dict[tuple[object, ...], list[float]]) -> float:
     return min(max(2 * max(gaps, default=0.0), RACE_MIN_TIE), MAX_TIE_FRACTION)
 
 
-def _key(candidate: Candidate) -> tuple[object, ...]:
-    return (tuple(candidate.micro_batch_sizes), candidate.block_policies)
+def _named(candidate: Candidate) -> str:
+    policies = summarize_policies(candidate.block_policies)
+    return f"{candidate.micro_batch_size} x {candidate.steps} with {policies}"

@@ -51,6 +51,7 @@ __all__ = [
     "Model",
     "SearchResult",
     "choose",
+    "config_key",
     "largest",
     "pareto",
     "search",
@@ -116,22 +117,35 @@ def choose(
 ) -> Candidate | None:
     """The plan to use among ``candidates``: by ``tie_key`` among those within ``tie`` of the fastest
     and no slower than any of ``bounds`` (the hand strategies: never traded for a tie)."""
-    within = ties(candidates, tie=tie, bounds=bounds)
-    return min(within, key=tie_key) if within else None
+    if not candidates:
+        return None
+    limit = _tie_limit(candidates, tie, bounds)
+    return min((c for c in candidates if c.seconds_per_step <= limit), key=tie_key)
 
 
 def ties(candidates: Sequence[Candidate], *, tie: float, bounds: Sequence[Candidate] = ()) -> list[Candidate]:
-    """The candidates ``choose`` chooses among, fastest first, one per configuration."""
+    """The candidates ``choose`` chooses among, fastest first, one per configuration (config_key)."""
     if not candidates:
         return []
-    fastest = min(candidate.seconds_per_step for candidate in candidates)
-    ceiling = min((c.seconds_per_step for c in bounds), default=math.inf)
-    limit = max(fastest, min(fastest * (1 + tie), ceiling))
+    limit = _tie_limit(candidates, tie, bounds)
     within: dict[tuple[object, ...], Candidate] = {}
     for candidate in sorted(candidates, key=lambda c: (c.seconds_per_step, tie_key(c))):
         if candidate.seconds_per_step <= limit:
-            within.setdefault((tuple(candidate.micro_batch_sizes), candidate.block_policies), candidate)
+            within.setdefault(config_key(candidate), candidate)
     return list(within.values())
+
+
+def _tie_limit(candidates: Sequence[Candidate], tie: float, bounds: Sequence[Candidate]) -> float:
+    """The slowest predicted time still tied with the fastest: within ``tie`` of it, and no slower than
+    any of ``bounds`` (but never below the fastest itself)."""
+    fastest = min(candidate.seconds_per_step for candidate in candidates)
+    ceiling = min((c.seconds_per_step for c in bounds), default=math.inf)
+    return max(fastest, min(fastest * (1 + tie), ceiling))
+
+
+def config_key(candidate: Candidate) -> tuple[object, ...]:
+    """What makes two candidates the same configuration: the window's sizes and every block's policy."""
+    return (tuple(candidate.micro_batch_sizes), candidate.block_policies)
 
 
 def pareto(candidates: Sequence[Candidate]) -> list[Candidate]:
