@@ -114,7 +114,7 @@ def test_the_fastest_measured_wins_beyond_the_race_noise() -> None:
 
 
 def test_within_the_race_noise_the_tie_order_decides() -> None:
-    # The predicted fastest measures 1.5 % ahead, inside the 2 % floor: least recomputation wins.
+    # The predicted fastest measures 1.5 % ahead, inside the 4 % floor: least recomputation wins.
     times = {(3, 3, 2): [1.015, 1.02, 1.03], (4, 4): [1.00, 1.004, 1.008]}
     result, _ = run_race(times, FAST_ONE, [FAST_ONE, SLOW_NONE])
     assert result is not None and result.winner is SLOW_NONE
